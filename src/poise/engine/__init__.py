@@ -1,0 +1,1 @@
+"""One model replica: scheduling, paged KV cache, model execution. Knows nothing of HTTP."""

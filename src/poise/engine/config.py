@@ -1,0 +1,20 @@
+"""The engine's settings; one typed object, built once at the entry point."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    dtype: str = "float32"  # float32 or bfloat16 (float16 on CUDA)
+    device: str | None = None  # None/cpu, cuda, cuda:N or auto
+    block_size: int = 16  # tokens per KV block
+    kv_cache_memory_bytes: int = 1 << 30  # budget the pool is sized from (SPEC formula 3)
+    num_kv_blocks: int | None = None  # overrides the budget when set
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_preemptions: int = 3
+    enable_prefix_caching: bool = True
+    max_model_len: int | None = None  # None: the model's own
+    seed: int = 0  # for requests without a seed of their own

@@ -1,0 +1,273 @@
+"""One replica's engine, synchronous core: schedule → execute → update, one step at a time.
+
+``prepare_request`` validates and tokenizes without touching shared state, so a front end can
+reject bad input in its own thread; ``add_request`` hands a prepared request to the scheduler.
+A step that raises fails only the requests it touched (finished as ``error``, blocks freed);
+the engine itself goes on.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from poise.engine.config import EngineConfig
+from poise.engine.errors import InvalidRequestError
+from poise.engine.kv_cache import KVCacheManager, kv_bytes_per_token, num_blocks_for_budget
+from poise.engine.models.loader import load_model
+from poise.engine.outputs import CompletionOutput, RequestOutput
+from poise.engine.request import Request, RequestStatus, SamplingParams
+from poise.engine.runner import ModelRunner
+from poise.engine.scheduler import Scheduler, SchedulerConfig
+from poise.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+
+log = logging.getLogger("poise.engine")
+
+
+@dataclass(slots=True)
+class _Tracked:
+    request: Request
+    prompt: str | None
+    detok: IncrementalDetokenizer
+    logprobs: list[dict[int, float]] | None
+    emitted_tokens: int = 0
+    first_token_time: float | None = None
+    stop_reason: str | int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_usage: float  # share of the pool held by live requests
+    num_free_blocks: int
+    num_blocks: int
+    prefix_cache_hit_rate: float
+    num_preemptions: int
+
+
+@dataclass(slots=True)
+class StepTiming:
+    last_step_end: float = 0.0  # monotonic; the watchdog reads it
+    steps: int = 0
+    failures: list[str] = field(default_factory=list)
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        model_dir: str | Path,
+        config: EngineConfig | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config or EngineConfig()
+        self.clock = clock
+        self.model_dir = Path(model_dir)
+        self.tokenizer = Tokenizer(self.model_dir)
+        self.model = load_model(self.model_dir, self.config.dtype, self.config.device)
+        mc = self.model.config
+        self.max_model_len = min(self.config.max_model_len or mc.max_model_len, mc.max_model_len)
+        self.eos_token_ids = frozenset(mc.eos_token_ids) | self.tokenizer.eos_token_ids
+        dtype_size = next(self.model.parameters()).element_size()
+        self.kv_bytes_per_token = kv_bytes_per_token(
+            mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype_size
+        )
+        num_blocks = self.config.num_kv_blocks or num_blocks_for_budget(
+            self.config.kv_cache_memory_bytes, self.config.block_size, self.kv_bytes_per_token
+        )
+        if num_blocks < 1:
+            raise InvalidRequestError(
+                f"a KV budget of {self.config.kv_cache_memory_bytes} bytes holds no block of "
+                f"{self.config.block_size} tokens at {self.kv_bytes_per_token} bytes per token"
+            )
+        self.kv = KVCacheManager(
+            num_blocks, self.config.block_size, self.config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                self.config.max_num_seqs,
+                self.config.max_num_batched_tokens,
+                self.config.max_preemptions,
+            ),
+            self.kv,
+            clock,
+        )
+        self.runner = ModelRunner(
+            self.model, num_blocks, self.config.block_size, self.eos_token_ids, self.config.seed
+        )
+        self._tracked: dict[str, _Tracked] = {}
+        self.timing = StepTiming(last_step_end=clock())
+
+    # ----- intake -----
+    def prepare_request(
+        self,
+        prompt: str | list[int],
+        sampling: SamplingParams,
+        request_id: str | None = None,
+        priority: int = 0,
+        deadline: float | None = None,
+        add_special_tokens: bool = True,
+    ) -> tuple[Request, str | None]:
+        """Validate and tokenize; touches no shared state, so any thread may call it."""
+        if isinstance(prompt, str):
+            text: str | None = prompt
+            ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+        else:
+            text, ids = None, list(prompt)
+            vocab = self.model.config.vocab_size
+            if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
+                raise InvalidRequestError(
+                    f"prompt token ids must be integers in [0, {vocab})", param="prompt"
+                )
+        if not ids:
+            raise InvalidRequestError("the prompt is empty", param="prompt")
+        room = self.max_model_len - len(ids)
+        if room < 1:
+            raise InvalidRequestError(
+                f"the prompt has {len(ids)} tokens but this model's context is "
+                f"{self.max_model_len} tokens",
+                param="prompt",
+            )
+        max_tokens = sampling.max_tokens if sampling.max_tokens is not None else room
+        if max_tokens > room:
+            raise InvalidRequestError(
+                f"prompt ({len(ids)} tokens) plus max_tokens ({max_tokens}) exceeds this "
+                f"model's context of {self.max_model_len} tokens",
+                param="max_tokens",
+            )
+        request = Request(
+            request_id=request_id or uuid.uuid4().hex,
+            prompt_token_ids=ids,
+            sampling=sampling,
+            arrival_time=self.clock(),
+            max_tokens=max_tokens,
+            eos_token_ids=self.eos_token_ids,
+            priority=priority,
+            deadline=deadline,
+        )
+        self.scheduler.check_fits(request)
+        return request, text
+
+    def add_request(self, request: Request, prompt: str | None = None) -> None:
+        self.scheduler.add_request(request)
+        sp = request.sampling
+        self._tracked[request.request_id] = _Tracked(
+            request=request,
+            prompt=prompt,
+            detok=IncrementalDetokenizer(
+                self.tokenizer,
+                request.prompt_token_ids,
+                sp.stop,
+                sp.include_stop_str_in_output,  # type: ignore[arg-type]
+            ),
+            logprobs=[] if sp.logprobs is not None else None,
+        )
+
+    def abort_request(self, request_id: str) -> bool:
+        return self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED, "aborted")
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            kv_usage=self.kv.usage,
+            num_free_blocks=self.kv.num_free_blocks,
+            num_blocks=self.kv.num_blocks,
+            prefix_cache_hit_rate=self.kv.stats.hit_rate,
+            num_preemptions=self.scheduler.num_preemptions_total,
+        )
+
+    # ----- one step -----
+    def step(self) -> list[RequestOutput]:
+        out = self.scheduler.schedule()
+        advanced: list[Request] = []
+        if not out.is_empty:
+            try:
+                result = self.runner.execute(out)
+            except Exception as exc:  # a failed step fails its requests, not the engine
+                log.exception(
+                    "engine step failed; failing the %d requests in it", len(out.sequences)
+                )
+                self.timing.failures.append(repr(exc))
+                for seq in out.sequences:
+                    self.scheduler.finish_request(
+                        seq.request_id, RequestStatus.FINISHED_ERROR, f"engine step failed: {exc}"
+                    )
+            else:
+                tokens = {rid: s.token_id for rid, s in result.sampled.items()}
+                advanced = self.scheduler.update_from_output(out, tokens)
+                now = self.clock()
+                for request in advanced:
+                    self._on_token(request, result.sampled[request.request_id].logprobs, now)
+        else:
+            self.runner.forget(out.finished_request_ids)
+        self.timing.last_step_end = self.clock()
+        self.timing.steps += 1
+        return self._collect(advanced)
+
+    def _on_token(self, request: Request, logprobs: dict[int, float] | None, now: float) -> None:
+        tracked = self._tracked[request.request_id]
+        if tracked.first_token_time is None:
+            tracked.first_token_time = now
+        token = request.output_token_ids[-1]
+        if tracked.logprobs is not None and logprobs is not None:
+            tracked.logprobs.append(logprobs)
+        tracked.detok.add_token(token)
+        if request.is_finished:
+            if request.status is RequestStatus.FINISHED_STOPPED:
+                tracked.stop_reason = None if token in self.eos_token_ids else token
+        elif tracked.detok.stopped_by is not None:
+            tracked.stop_reason = tracked.detok.stopped_by
+            self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
+
+    def _collect(self, advanced: list[Request]) -> list[RequestOutput]:
+        finished = self.scheduler.take_finished()
+        seen: set[str] = set()
+        outputs = []
+        for request in [*advanced, *finished]:
+            if request.request_id in seen:
+                continue
+            seen.add(request.request_id)
+            outputs.append(self._output(request))
+        return outputs
+
+    def _output(self, request: Request) -> RequestOutput:
+        rid = request.request_id
+        tracked = self._tracked[rid]
+        finished = request.is_finished
+        if finished:
+            del self._tracked[rid]
+        new_tokens = request.output_token_ids[tracked.emitted_tokens :]
+        tracked.emitted_tokens = len(request.output_token_ids)
+        completion = CompletionOutput(
+            index=0,
+            text=tracked.detok.text,
+            token_ids=list(request.output_token_ids),
+            finish_reason=request.finish_reason,
+            logprobs=tracked.logprobs,
+            stop_reason=tracked.stop_reason,
+            delta_text=tracked.detok.take_delta(final=finished),
+            delta_token_ids=new_tokens,
+        )
+        return RequestOutput(
+            request_id=rid,
+            prompt=tracked.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            outputs=[completion],
+            finished=finished,
+            num_cached_tokens=request.num_cached_prompt_tokens,
+            error=request.error
+            if request.status in (RequestStatus.FINISHED_TIMEOUT, RequestStatus.FINISHED_ERROR)
+            else None,
+            arrival_time=request.arrival_time,
+            first_token_time=tracked.first_token_time,
+            finished_time=self.clock() if finished else None,
+        )

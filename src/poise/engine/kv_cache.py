@@ -1,0 +1,224 @@
+"""The paged KV cache's bookkeeping: which block of the preallocated pool holds what.
+
+The tensors themselves live in the runner; this module only hands out block ids. Blocks are
+reference counted (a prefix-cache hit shares a block between requests). A block whose count
+drops to zero goes back to the free queue but keeps its content hash, so a later request with
+the same prefix can take it back; allocation evicts free blocks least-recently-freed first.
+
+Prefix caching keys a *full* block by a chained hash of (parent block's hash, this block's token
+ids), so equal hashes imply equal prefixes; the stored token ids are compared on lookup to guard
+against hash collisions.
+
+The scheduler talks to this class in query/commit pairs: ``get_computed_blocks`` (query, no
+change) then ``allocate_slots`` (commit, all or nothing).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from poise.engine.request import Request
+
+
+def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype_size: int) -> int:
+    """SPEC formula 3 per token: K and V, for every layer and KV head."""
+    return 2 * num_layers * num_kv_heads * head_dim * dtype_size
+
+
+def num_blocks_for_budget(budget_bytes: int, block_size: int, bytes_per_token: int) -> int:
+    """How many whole blocks a memory budget holds."""
+    return budget_bytes // (block_size * bytes_per_token)
+
+
+@dataclass(slots=True)
+class Block:
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: int | None = None  # set only while this block is the cache's entry for it
+    token_ids: tuple[int, ...] = ()  # content, kept for the collision check
+    parent_hash: int | None = None
+
+
+@dataclass(slots=True)
+class PrefixCacheStats:
+    queried_tokens: int = 0
+    hit_tokens: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
+
+
+@dataclass(slots=True)
+class KVCacheManager:
+    num_blocks: int
+    block_size: int
+    enable_prefix_caching: bool = True
+    blocks: list[Block] = field(init=False)
+    # Blocks nobody references, in eviction order (front goes first).
+    _free: OrderedDict[int, None] = field(init=False)
+    _cached: dict[int, int] = field(init=False)  # block hash -> block id
+    _tables: dict[str, list[int]] = field(init=False)
+    stats: PrefixCacheStats = field(init=False)
+
+    def __post_init__(self) -> None:
+        if self.num_blocks < 1 or self.block_size < 1:
+            raise ValueError("the KV pool needs at least one block of at least one token")
+        self.blocks = [Block(i) for i in range(self.num_blocks)]
+        self._free = OrderedDict((i, None) for i in range(self.num_blocks))
+        self._cached = {}
+        self._tables = {}
+        self.stats = PrefixCacheStats()
+
+    # ----- queries -----
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._cached)
+
+    @property
+    def usage(self) -> float:
+        """Share of the pool referenced by live requests (free cached blocks count as free)."""
+        return 1.0 - len(self._free) / self.num_blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def block_table(self, request_id: str) -> list[int]:
+        return self._tables.get(request_id, [])
+
+    def holders(self) -> dict[str, list[int]]:
+        """Every live block table, for invariant checks and debugging."""
+        return {rid: list(t) for rid, t in self._tables.items()}
+
+    def _hash_full_blocks(self, request: Request, upto_tokens: int) -> list[int]:
+        """Extend request.block_hashes to cover the full blocks among its first tokens."""
+        bs = self.block_size
+        hashes = request.block_hashes
+        n_full = upto_tokens // bs
+        while len(hashes) < n_full:
+            i = len(hashes)
+            parent = hashes[-1] if hashes else None
+            hashes.append(hash((parent, tuple(request.all_token_ids[i * bs : (i + 1) * bs]))))
+        return hashes
+
+    def _lookup(self, block_hash: int, parent: int | None, tokens: tuple[int, ...]) -> int | None:
+        block_id = self._cached.get(block_hash)
+        if block_id is None:
+            return None
+        block = self.blocks[block_id]
+        if block.token_ids != tokens or block.parent_hash != parent:
+            return None  # a hash collision: different content under the same hash
+        return block_id
+
+    def get_computed_blocks(self, request: Request) -> list[int]:
+        """The longest run of cached full blocks that prefixes this request's tokens.
+
+        At least one token is always left to compute, so the model produces logits to sample.
+        Changes nothing but the request's hash list; the caller records the lookup in the
+        hit-rate counters once the request is admitted (``record_lookup``).
+        """
+        if not self.enable_prefix_caching:
+            return []
+        usable = request.num_tokens - 1
+        hashes = self._hash_full_blocks(request, usable)
+        bs = self.block_size
+        hits: list[int] = []
+        for i, h in enumerate(hashes[: usable // bs]):
+            tokens = tuple(request.all_token_ids[i * bs : (i + 1) * bs])
+            block_id = self._lookup(h, hashes[i - 1] if i else None, tokens)
+            if block_id is None:
+                break
+            hits.append(block_id)
+        return hits
+
+    def record_lookup(self, queried_tokens: int, hit_tokens: int) -> None:
+        self.stats.queried_tokens += queried_tokens
+        self.stats.hit_tokens += hit_tokens
+
+    # ----- commits -----
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, computed_blocks: list[int] | None = None
+    ) -> bool:
+        """Make room for ``num_new_tokens`` more tokens after the computed ones; all or nothing.
+
+        ``computed_blocks`` (only on a request's admission) are prefix-cache hits to adopt; the
+        caller then counts their tokens as computed.
+        """
+        computed_blocks = computed_blocks or []
+        table = self._tables.get(request.request_id, [])
+        if computed_blocks and table:
+            raise RuntimeError(f"{request.request_id} already holds blocks")
+        num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
+        need = self.blocks_needed(num_computed + num_new_tokens) - len(table) - len(computed_blocks)
+        reclaimed = sum(1 for b in computed_blocks if self.blocks[b].ref_cnt == 0)
+        if need > len(self._free) - reclaimed:
+            return False
+        for block_id in computed_blocks:
+            block = self.blocks[block_id]
+            if block.ref_cnt == 0:
+                del self._free[block_id]
+            block.ref_cnt += 1
+        new_table = table + computed_blocks
+        for _ in range(max(need, 0)):
+            new_table.append(self._take_free_block())
+        self._tables[request.request_id] = new_table
+        return True
+
+    def _take_free_block(self) -> int:
+        block_id, _ = self._free.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.block_hash is not None:  # evict it from the prefix cache
+            del self._cached[block.block_hash]
+            block.block_hash = None
+            block.token_ids = ()
+            block.parent_hash = None
+        block.ref_cnt = 1
+        return block_id
+
+    def cache_full_blocks(self, request: Request) -> None:
+        """Register the request's newly full, computed blocks in the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        table = self._tables.get(request.request_id)
+        if not table:
+            return
+        hashes = self._hash_full_blocks(request, request.num_computed_tokens)
+        bs = self.block_size
+        for i in range(min(len(hashes), len(table))):
+            block = self.blocks[table[i]]
+            if block.block_hash is not None or hashes[i] in self._cached:
+                continue
+            block.block_hash = hashes[i]
+            block.parent_hash = hashes[i - 1] if i else None
+            block.token_ids = tuple(request.all_token_ids[i * bs : (i + 1) * bs])
+            self._cached[hashes[i]] = block.block_id
+
+    def free(self, request: Request) -> None:
+        """Give back every block the request holds. Idempotent."""
+        table = self._tables.pop(request.request_id, None)
+        if not table:
+            return
+        # Tail blocks are the least likely to be shared, so they are evicted first.
+        for block_id in reversed(table):
+            block = self.blocks[block_id]
+            if block.ref_cnt <= 0:
+                raise RuntimeError(f"block {block_id} freed more often than taken")
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self._free[block_id] = None
+                if block.block_hash is None:
+                    # Nothing to keep in it: reuse it before any cached block.
+                    self._free.move_to_end(block_id, last=False)
+
+    def reset_prefix_cache(self) -> None:
+        for block_hash, block_id in list(self._cached.items()):
+            block = self.blocks[block_id]
+            block.block_hash = None
+            block.token_ids = ()
+            block.parent_hash = None
+            del self._cached[block_hash]

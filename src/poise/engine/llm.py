@@ -1,0 +1,84 @@
+"""The offline Python API, named as vLLM's: ``LLM(model_dir).generate(prompts, params)``."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from poise.engine.config import EngineConfig
+from poise.engine.engine import LLMEngine
+from poise.engine.outputs import RequestOutput
+from poise.engine.request import SamplingParams
+
+Prompt = str | dict[str, list[int]]
+
+
+class LLM:
+    def __init__(self, model: str | Path, dtype: str = "float32", **engine_options: Any) -> None:
+        self.engine = LLMEngine(model, EngineConfig(dtype=dtype, **engine_options))
+        self._counter = 0
+
+    def get_tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: str | Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in input order."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = (
+            [sampling_params] * len(prompts)
+            if isinstance(sampling_params, SamplingParams)
+            else list(sampling_params)
+        )
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        ids = []
+        for prompt, sp in zip(prompts, params, strict=True):
+            source: str | list[int] = (
+                prompt if isinstance(prompt, str) else list(prompt["prompt_token_ids"])
+            )
+            request, text = self.engine.prepare_request(source, sp, request_id=str(self._counter))
+            self._counter += 1
+            self.engine.add_request(request, text)
+            ids.append(request.request_id)
+        return self._run(ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to each conversation, then generate."""
+        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        tok = self.engine.tokenizer
+        prompts: list[Prompt] = [
+            {
+                "prompt_token_ids": tok.encode(
+                    tok.apply_chat_template(conv), add_special_tokens=False
+                )
+            }  # type: ignore[arg-type]
+            for conv in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        done: dict[str, RequestOutput] = {}
+        with tqdm(total=len(ids), disable=not use_tqdm, desc="generating") as bar:
+            while self.engine.has_unfinished:
+                for out in self.engine.step():
+                    if out.finished:
+                        done[out.request_id] = out
+                        bar.update(1)
+        return [done[i] for i in ids]

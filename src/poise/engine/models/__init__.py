@@ -1,0 +1,1 @@
+"""Llama-family models and the loader for local Hugging Face directories."""

@@ -1,0 +1,31 @@
+"""What the engine hands back for a request: vLLM's shape, so users find familiar names."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    index: int
+    text: str  # everything generated so far (stop strings applied)
+    token_ids: list[int]
+    finish_reason: str | None  # stop, length, abort, timeout, error; None while running
+    logprobs: list[dict[int, float]] | None = None
+    stop_reason: str | int | None = None  # the stop string or token id that ended it
+    delta_text: str = ""  # text released since the previous output of this request
+    delta_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    error: str | None = None  # why it ended, for timeout and error
+    arrival_time: float = 0.0
+    first_token_time: float | None = None
+    finished_time: float | None = None

@@ -1,0 +1,195 @@
+"""A request inside the engine: its sampling parameters, its state machine and how it ends.
+
+The lifecycle is one ordered enum. Every status at or after ``FINISHED_STOPPED`` is final and
+carries exactly one finish reason; ``Request.finish`` is the only way to get there and it refuses
+a second finish, so a request ends exactly once. Freeing its KV blocks is the scheduler's job and
+happens in the one place that calls ``finish`` (``Scheduler._finish``).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+
+from poise.engine.errors import InvalidRequestError
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    # Everything from here on is final.
+    FINISHED_STOPPED = 10
+    FINISHED_LENGTH = 11
+    FINISHED_ABORTED = 12
+    FINISHED_TIMEOUT = 13
+    FINISHED_ERROR = 14
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+
+FINISH_REASONS: dict[RequestStatus, str] = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_TIMEOUT: "timeout",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+_ALLOWED: dict[RequestStatus, frozenset[RequestStatus]] = {
+    RequestStatus.WAITING: frozenset({RequestStatus.RUNNING}),
+    RequestStatus.RUNNING: frozenset({RequestStatus.PREEMPTED}),
+    RequestStatus.PREEMPTED: frozenset({RequestStatus.RUNNING}),
+}
+
+
+class IllegalTransitionError(RuntimeError):
+    """A bug: the engine tried to move a request along an edge the state machine lacks."""
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How to pick each next token and when to stop; the same names as vLLM's."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: no top-k cut
+    max_tokens: int | None = 16  # None: up to the model's context length
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    seed: int | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None  # how many top alternatives to return with each token
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        self.validate()
+
+    def validate(self) -> None:
+        def bad(param: str, msg: str) -> InvalidRequestError:
+            return InvalidRequestError(f"{param} {msg}", param=param)
+
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise bad("temperature", f"must be a finite number >= 0, got {self.temperature}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise bad("top_p", f"must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise bad("top_k", f"must be -1, 0 (off) or a positive integer, got {self.top_k}")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise bad("max_tokens", f"must be at least 1, got {self.max_tokens}")
+        if self.min_tokens < 0 or (
+            self.max_tokens is not None and self.min_tokens > self.max_tokens
+        ):
+            raise bad("min_tokens", f"must be in [0, max_tokens], got {self.min_tokens}")
+        if self.logprobs is not None and not (0 <= self.logprobs <= 20):
+            raise bad("logprobs", f"must be in [0, 20], got {self.logprobs}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not math.isfinite(value) or not (-2.0 <= value <= 2.0):
+                raise bad(name, f"must be in [-2, 2], got {value}")
+        if any(not isinstance(s, str) or not s for s in self.stop):  # type: ignore[union-attr]
+            raise bad("stop", "must be non-empty strings")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):  # type: ignore[union-attr]
+            raise bad("stop_token_ids", "must be non-negative integers")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(slots=True)
+class Request:
+    """One sequence being generated. ``all_token_ids`` is prompt followed by output."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    arrival_time: float
+    max_tokens: int  # resolved: sampling.max_tokens or what the context leaves
+    eos_token_ids: frozenset[int] = frozenset()
+    priority: int = 0  # lower runs first, as in vLLM
+    deadline: float | None = None  # on the engine's monotonic clock; None = no deadline
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    all_token_ids: list[int] = field(default_factory=list)
+    # How many leading tokens of all_token_ids have their K/V in the cache.
+    num_computed_tokens: int = 0
+    num_cached_prompt_tokens: int = 0  # prefix-cache hits at its (last) admission
+    num_preemptions: int = 0
+    block_hashes: list[int] = field(default_factory=list)  # chained hashes of full blocks
+    error: str | None = None
+    first_scheduled_time: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.all_token_ids:
+            self.all_token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def finish_reason(self) -> str | None:
+        return FINISH_REASONS.get(self.status)
+
+    @property
+    def sort_key(self) -> tuple[int, float]:
+        """Who goes first: lower priority value, then earlier arrival."""
+        return (self.priority, self.arrival_time)
+
+    def append_output_token(self, token_id: int) -> None:
+        """The one mutator for generated tokens."""
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def transition(self, to: RequestStatus) -> None:
+        if to.is_finished:
+            raise IllegalTransitionError("use finish() to end a request")
+        if to not in _ALLOWED.get(self.status, frozenset()):
+            raise IllegalTransitionError(f"{self.request_id}: {self.status.name} -> {to.name}")
+        self.status = to
+
+    def finish(self, status: RequestStatus, error: str | None = None) -> None:
+        if not status.is_finished:
+            raise IllegalTransitionError(f"{status.name} is not a finish status")
+        if self.is_finished:
+            raise IllegalTransitionError(
+                f"{self.request_id} already finished as {self.status.name}"
+            )
+        self.status = status
+        self.error = error
+
+    def check_stop_token(self) -> RequestStatus | None:
+        """After a token was appended: does a token or length rule end this request?"""
+        if not self.output_token_ids:
+            return None
+        last = self.output_token_ids[-1]
+        n_out = len(self.output_token_ids)
+        if n_out >= self.sampling.min_tokens:
+            if not self.sampling.ignore_eos and last in self.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if last in self.sampling.stop_token_ids:  # type: ignore[operator]
+                return RequestStatus.FINISHED_STOPPED
+        if n_out >= self.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        return None

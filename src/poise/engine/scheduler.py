@@ -1,0 +1,266 @@
+"""Iteration-level continuous batching: which tokens of which requests the next step computes.
+
+One rule drives it (as in vLLM v1): every request's computed tokens catch up with its total
+tokens, within a per-step token budget and a cap on running requests. A prompt longer than the
+budget is prefilled in chunks across steps and mixes with other requests' decode tokens;
+prefix-cache hits simply start a request with tokens already computed.
+
+Running requests are served first, best (priority, arrival) first. When the KV pool has no block
+for one, the worst running request is preempted: its blocks are freed and it goes back to the
+waiting queue to be recomputed later (its full blocks usually survive in the prefix cache).
+A request preempted ``max_preemptions`` times is no longer chosen as a victim, so no request can
+be starved by repeated preemption; only when nothing at all could run is the cap set aside, since
+progress for someone beats fairness for none.
+
+Deadlines are checked at the start of every step: a request past its deadline is finished as
+``timeout`` and its blocks freed before anything is scheduled.
+
+The runner learns what to do only from ``SchedulerOutput``; this module never imports torch.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from poise.engine.errors import InvalidRequestError, RequestTooLargeError
+from poise.engine.kv_cache import KVCacheManager
+from poise.engine.request import Request, RequestStatus, SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64  # cap on running requests
+    max_num_batched_tokens: int = 2048  # token budget of one step
+    max_preemptions: int = 3  # after this many, a request is not chosen as a victim
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be at least 1")
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledSequence:
+    request_id: str
+    token_ids: list[int]  # tokens whose K/V this step computes, in order
+    start_position: int  # position of token_ids[0] in the sequence
+    block_table: list[int]  # every block the sequence holds, covering start + len(token_ids)
+    sample: bool  # this chunk reaches the sequence's end: sample the next token
+    sampling: SamplingParams
+    output_token_ids: list[int]  # generated so far, for repetition penalties (read only)
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """Everything the runner learns from the scheduler for one step."""
+
+    sequences: list[ScheduledSequence]
+    num_batched_tokens: int
+    preempted_request_ids: list[str] = field(default_factory=list)
+    # Requests that ended since the previous output: the runner drops their sampling state.
+    finished_request_ids: list[str] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.sequences
+
+
+class Scheduler:
+    def __init__(
+        self, config: SchedulerConfig, kv: KVCacheManager, clock: Callable[[], float]
+    ) -> None:
+        self.config = config
+        self.kv = kv
+        self.clock = clock
+        self.waiting: list[Request] = []  # sorted by Request.sort_key
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._finished_ids: list[str] = []
+        self._newly_finished: list[Request] = []
+        self.num_preemptions_total = 0
+
+    # ----- intake -----
+    def check_fits(self, request: Request) -> None:
+        """Refuse at once what can never fit the pool, however idle the engine is."""
+        need = self.kv.blocks_needed(request.num_prompt_tokens + request.max_tokens)
+        if need > self.kv.num_blocks:
+            raise RequestTooLargeError(
+                f"prompt ({request.num_prompt_tokens} tokens) plus max_tokens "
+                f"({request.max_tokens}) needs {need} KV blocks of {self.kv.block_size} tokens, "
+                f"but the whole pool has {self.kv.num_blocks}",
+                param="max_tokens",
+            )
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise InvalidRequestError(
+                f"request id {request.request_id!r} is already in use", param="request_id"
+            )
+        self.check_fits(request)
+        self.requests[request.request_id] = request
+        bisect.insort(self.waiting, request, key=lambda r: r.sort_key)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    # ----- ending -----
+    def _finish(self, request: Request, status: RequestStatus, error: str | None = None) -> None:
+        """The one place a request ends and its blocks are given back."""
+        request.finish(status, error)
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.kv.free(request)
+        del self.requests[request.request_id]
+        self._finished_ids.append(request.request_id)
+        self._newly_finished.append(request)
+
+    def finish_request(
+        self, request_id: str, status: RequestStatus, error: str | None = None
+    ) -> bool:
+        """End a live request (abort, stop string, step failure). False if it is not live."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return False
+        self._finish(request, status, error)
+        return True
+
+    def take_finished(self) -> list[Request]:
+        """Requests that ended since the last call, in the order they ended."""
+        done, self._newly_finished = self._newly_finished, []
+        return done
+
+    # ----- one step -----
+    def schedule(self) -> SchedulerOutput:
+        self._expire_deadlines()
+        preempted: list[str] = []
+        scheduled, budget = self._schedule_running(preempted)
+        if not scheduled and self.running:
+            # Everyone left is protected by the preemption cap and blocked: let the worst go.
+            self._preempt(max(self.running, key=lambda r: r.sort_key), preempted)
+            scheduled, budget = self._schedule_running(preempted)
+        if not preempted:
+            budget = self._admit_waiting(scheduled, budget)
+        finished, self._finished_ids = self._finished_ids, []
+        return SchedulerOutput(
+            sequences=scheduled,
+            num_batched_tokens=self.config.max_num_batched_tokens - budget,
+            preempted_request_ids=preempted,
+            finished_request_ids=finished,
+        )
+
+    def _expire_deadlines(self) -> None:
+        now = self.clock()
+        for request in [*self.running, *self.waiting]:
+            if request.deadline is not None and now >= request.deadline:
+                self._finish(request, RequestStatus.FINISHED_TIMEOUT, "deadline passed")
+
+    def _schedule_running(self, preempted: list[str]) -> tuple[list[ScheduledSequence], int]:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledSequence] = []
+        self.running.sort(key=lambda r: r.sort_key)
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            admitted = True
+            while not self.kv.allocate_slots(request, n):
+                victim = self._pick_victim(self.running[i + 1 :], request)
+                if victim is None:
+                    admitted = False  # protected and alone: it waits for blocks to come back
+                    break
+                self._preempt(victim, preempted)
+                if victim is request:
+                    admitted = False
+                    break
+            if not admitted:
+                if request.status is RequestStatus.RUNNING:
+                    i += 1
+                continue
+            scheduled.append(self._scheduled(request, n))
+            budget -= n
+            i += 1
+        return scheduled, budget
+
+    def _pick_victim(self, later: list[Request], current: Request) -> Request | None:
+        cap = self.config.max_preemptions
+        for candidate in sorted(later, key=lambda r: r.sort_key, reverse=True):
+            if candidate.num_preemptions < cap:
+                return candidate
+        return current if current.num_preemptions < cap else None
+
+    def _preempt(self, request: Request, preempted: list[str]) -> None:
+        self.running.remove(request)
+        self.kv.free(request)
+        request.transition(RequestStatus.PREEMPTED)
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions_total += 1
+        preempted.append(request.request_id)
+        bisect.insort(self.waiting, request, key=lambda r: r.sort_key)
+
+    def _admit_waiting(self, scheduled: list[ScheduledSequence], budget: int) -> int:
+        bs = self.kv.block_size
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            hits = self.kv.get_computed_blocks(request)
+            n_cached = len(hits) * bs
+            n = min(request.num_tokens - n_cached, budget)
+            if not self.kv.allocate_slots(request, n, hits):
+                break  # strict order: nobody overtakes the head of the queue
+            self.kv.record_lookup(request.num_tokens, n_cached)
+            request.num_computed_tokens = n_cached
+            request.num_cached_prompt_tokens = n_cached
+            self.waiting.pop(0)
+            request.transition(RequestStatus.RUNNING)
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = self.clock()
+            self.running.append(request)
+            scheduled.append(self._scheduled(request, n))
+            budget -= n
+        return budget
+
+    def _scheduled(self, request: Request, n: int) -> ScheduledSequence:
+        start = request.num_computed_tokens
+        return ScheduledSequence(
+            request_id=request.request_id,
+            token_ids=request.all_token_ids[start : start + n],
+            start_position=start,
+            block_table=list(self.kv.block_table(request.request_id)),
+            sample=start + n == request.num_tokens,
+            sampling=request.sampling,
+            output_token_ids=request.output_token_ids,
+        )
+
+    # ----- after the step -----
+    def update_from_output(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Advance computed tokens, append sampled ones and end requests that stop.
+
+        Returns the requests that received a token this step (finished ones included).
+        """
+        advanced: list[Request] = []
+        for seq in output.sequences:
+            request = self.requests.get(seq.request_id)
+            if request is None or request.status is not RequestStatus.RUNNING:
+                continue  # ended or preempted meanwhile
+            request.num_computed_tokens += len(seq.token_ids)
+            self.kv.cache_full_blocks(request)
+            if not seq.sample:
+                continue
+            request.append_output_token(sampled[seq.request_id])
+            advanced.append(request)
+            stop = request.check_stop_token()
+            if stop is not None:
+                self._finish(request, stop)
+        return advanced

@@ -1,0 +1,1 @@
+"""Making model directories locally, since nothing may be downloaded."""
