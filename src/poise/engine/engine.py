@@ -67,8 +67,8 @@ class LLMEngine:
         self.config = config or EngineConfig()
         self.clock = clock
         self.model_dir = Path(model_dir)
-        self.tokenizer = Tokenizer(self.model_dir)
         self.model = load_model(self.model_dir, self.config.dtype, self.config.device)
+        self.tokenizer = Tokenizer(self.model_dir)
         mc = self.model.config
         self.max_model_len = min(self.config.max_model_len or mc.max_model_len, mc.max_model_len)
         self.eos_token_ids = frozenset(mc.eos_token_ids) | self.tokenizer.eos_token_ids

@@ -91,6 +91,14 @@ class KVCacheManager:
     def block_table(self, request_id: str) -> list[int]:
         return self._tables.get(request_id, [])
 
+    def free_block_ids(self) -> list[int]:
+        """Unreferenced blocks in eviction order (front first)."""
+        return list(self._free)
+
+    def cached_blocks(self) -> dict[int, int]:
+        """Prefix-cache entries: block hash -> block id."""
+        return dict(self._cached)
+
     def holders(self) -> dict[str, list[int]]:
         """Every live block table, for invariant checks and debugging."""
         return {rid: list(t) for rid, t in self._tables.items()}
