@@ -17,6 +17,7 @@ from pathlib import Path
 
 from poise.engine.config import EngineConfig
 from poise.engine.errors import InvalidRequestError
+from poise.engine.kernels import load_paged_decode_attention
 from poise.engine.kv_cache import KVCacheManager, kv_bytes_per_token, num_blocks_for_budget
 from poise.engine.models.loader import load_model
 from poise.engine.outputs import CompletionOutput, RequestOutput
@@ -97,7 +98,12 @@ class LLMEngine:
             clock,
         )
         self.runner = ModelRunner(
-            self.model, num_blocks, self.config.block_size, self.eos_token_ids, self.config.seed
+            self.model,
+            num_blocks,
+            self.config.block_size,
+            self.eos_token_ids,
+            self.config.seed,
+            load_paged_decode_attention() if self.config.native_kernels else None,
         )
         self._tracked: dict[str, _Tracked] = {}
         self.timing = StepTiming(last_step_end=clock())

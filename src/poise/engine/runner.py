@@ -1,10 +1,12 @@
 """SchedulerOutput → one forward pass over the batch → one sampled token per finished chunk.
 
-Owns the KV pool's tensors (one K and one V tensor per layer, ``(num_blocks * block_size,
-kv_heads, head_dim)``, allocated and zeroed once at start so running out of memory shows at
+Owns the KV pool's tensors (one K and one V tensor per layer, ``(kv_heads, num_blocks *
+block_size, head_dim)``, allocated and zeroed once at start so running out of memory shows at
 start, not mid-request) and the per-request random generators. Builds the flat batch: decode
 tokens first (one per sequence), then prefill chunks, and the cache slots each token reads and
-writes, from the block tables the scheduler handed over.
+writes, from the block tables the scheduler handed over. With the native decode kernel all
+decode sequences form one bucket read in place; without it they are sorted by context length and
+cut into buckets of ``DECODE_BUCKET`` so each bucket pads only to its own longest context.
 """
 
 from __future__ import annotations
@@ -13,9 +15,17 @@ from dataclasses import dataclass
 
 import torch
 
-from poise.engine.models.llama import AttentionMetadata, LlamaForCausalLM, PrefillChunk
+from poise.engine.kernels import PagedDecodeAttention
+from poise.engine.models.llama import (
+    AttentionMetadata,
+    DecodeBucket,
+    LlamaForCausalLM,
+    PrefillChunk,
+)
 from poise.engine.sampler import Sampled, SampleRow, sample
 from poise.engine.scheduler import ScheduledSequence, SchedulerOutput
+
+DECODE_BUCKET = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +41,7 @@ class ModelRunner:
         block_size: int,
         eos_token_ids: frozenset[int],
         seed: int = 0,
+        decode_kernel: PagedDecodeAttention | None = None,
     ) -> None:
         self.model = model
         param = next(model.parameters())
@@ -38,15 +49,18 @@ class ModelRunner:
         self.block_size = block_size
         self.eos = eos_token_ids
         c = model.config
+        group = c.num_heads // c.num_kv_heads
+        if decode_kernel is not None and not decode_kernel.supports(
+            self.dtype, self.device, group, c.head_dim
+        ):
+            decode_kernel = None
+        self.decode_kernel = decode_kernel
         slots = num_blocks * block_size
+        shape = (c.num_kv_heads, slots, c.head_dim)
         self.kv_caches = [
             (
-                torch.zeros(
-                    slots, c.num_kv_heads, c.head_dim, dtype=self.dtype, device=self.device
-                ),
-                torch.zeros(
-                    slots, c.num_kv_heads, c.head_dim, dtype=self.dtype, device=self.device
-                ),
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
             )
             for _ in range(c.num_layers)
         ]
@@ -71,28 +85,50 @@ class ModelRunner:
         blocks = torch.tensor(table, dtype=torch.long)[pos // self.block_size]
         return blocks * self.block_size + pos % self.block_size
 
+    def _decode_bucket(self, seqs: list[ScheduledSequence], token_start: int) -> DecodeBucket:
+        bs = self.block_size
+        ctx = torch.tensor([s.start_position + 1 for s in seqs])
+        width = -(-int(ctx.max()) // bs)
+        tables = torch.zeros(len(seqs), width, dtype=torch.long)
+        for i, s in enumerate(seqs):
+            tables[i, : min(width, len(s.block_table))] = torch.tensor(s.block_table[:width])
+        if self.decode_kernel is not None:
+            return DecodeBucket(token_start, len(seqs), tables, ctx, None, None)
+        pos = torch.arange(int(ctx.max()))
+        slots = tables[:, pos // bs] * bs + pos % bs  # (n, max_ctx)
+        padding = pos.unsqueeze(0) >= ctx.unsqueeze(1)
+        slots = slots.masked_fill(padding, 0)
+        masked = padding.to(self.device) if bool(padding.any()) else None
+        return DecodeBucket(
+            token_start,
+            len(seqs),
+            tables.to(self.device),
+            ctx.to(self.device),
+            slots.to(self.device),
+            masked,
+        )
+
     def _metadata(
         self, decodes: list[ScheduledSequence], prefills: list[ScheduledSequence]
     ) -> AttentionMetadata:
-        bs = self.block_size
         positions: list[torch.Tensor] = []
         writes: list[torch.Tensor] = []
-        decode_slots = decode_mask = None
+        buckets = []
+        per_bucket = len(decodes) if self.decode_kernel is not None else DECODE_BUCKET
+        for start in range(0, len(decodes), max(per_bucket, 1)):
+            buckets.append(self._decode_bucket(decodes[start : start + per_bucket], start))
         if decodes:
-            ctx = torch.tensor([s.start_position + 1 for s in decodes])
-            max_ctx = int(ctx.max())
-            width = -(-max_ctx // bs)
-            tables = torch.zeros(len(decodes), width, dtype=torch.long)
-            for i, s in enumerate(decodes):
-                tables[i, : len(s.block_table)] = torch.tensor(s.block_table[:width])
-            pos = torch.arange(max_ctx)
-            decode_slots = tables[:, pos // bs] * bs + pos % bs  # (d, max_ctx)
-            valid = pos.unsqueeze(0) < ctx.unsqueeze(1)
-            decode_slots = decode_slots.masked_fill(~valid, 0)
-            decode_mask = valid[:, None, None, :].to(self.device)
-            decode_slots = decode_slots.to(self.device)
-            positions.append(ctx - 1)
-            writes.append(decode_slots.gather(1, (ctx - 1).unsqueeze(1)).squeeze(1).cpu())
+            bs = self.block_size
+            pos = [s.start_position for s in decodes]
+            positions.append(torch.tensor(pos))
+            writes.append(
+                torch.tensor(
+                    [
+                        s.block_table[p // bs] * bs + p % bs
+                        for s, p in zip(decodes, pos, strict=True)
+                    ]
+                )
+            )
         chunks: list[PrefillChunk] = []
         offset = len(decodes)
         for s in prefills:
@@ -115,16 +151,18 @@ class ModelRunner:
         return AttentionMetadata(
             positions=torch.cat(positions).to(self.device),
             slot_mapping=torch.cat(writes).to(self.device),
-            num_decode=len(decodes),
-            decode_slots=decode_slots,
-            decode_mask=decode_mask,
+            decodes=buckets,
             prefills=chunks,
+            block_size=self.block_size,
+            decode_kernel=self.decode_kernel,
             logits_indices=torch.tensor(logits_at, dtype=torch.long, device=self.device),
         )
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         self.forget(out.finished_request_ids)
-        decodes = [s for s in out.sequences if len(s.token_ids) == 1]
+        decodes = sorted(
+            (s for s in out.sequences if len(s.token_ids) == 1), key=lambda s: s.start_position
+        )
         prefills = [s for s in out.sequences if len(s.token_ids) > 1]
         ordered = decodes + prefills
         meta = self._metadata(decodes, prefills)

@@ -35,6 +35,7 @@ ENGINE_SETUPS = {
     "preempting": {"num_kv_blocks": 48, "block_size": 4, "max_preemptions": 2},
     "chunked": {"max_num_batched_tokens": 16},
     "no-prefix-cache": {"enable_prefix_caching": False, "max_num_seqs": 2},
+    "pytorch-attention": {"native_kernels": False, "num_kv_blocks": 48, "block_size": 4},
 }
 
 

@@ -5,8 +5,13 @@ all sequences are concatenated into one ``(T, hidden)`` tensor so every projecti
 matrix product; only attention looks at sequence boundaries, through ``AttentionMetadata``.
 
 Attention writes the step's K/V into the cache slots first, then gathers each sequence's context
-from its blocks and runs PyTorch's SDPA: decode tokens (one per sequence) together, padded to the
-longest context with a mask; prefill chunks one sequence at a time with a causal mask offset by
+from its blocks. The cache is head-major, ``(kv_heads, slots, head_dim)``, so a gather lands in
+the layout batched matrix products want without another copy. Decode tokens (one per sequence)
+are attended in buckets of similar context length, each padded to its longest context with a
+mask, by two batched matrix products: CPU flash attention is slow for a single query row.
+On the CPU the native kernel (``poise.engine.kernels``) replaces that path when it is built: it
+reads the blocks in place instead of gathering them.
+Prefill chunks go one sequence at a time through PyTorch's SDPA, with a causal mask offset by
 the tokens already cached.
 """
 
@@ -20,7 +25,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from poise.engine.errors import ModelLoadError
+from poise.engine.kernels import PagedDecodeAttention
 from poise.engine.models.config import ModelConfig
+
+LOGITS_TILE = 4096  # vocabulary columns per float32 logits GEMM on the CPU
 
 
 @dataclass(slots=True)
@@ -32,13 +40,24 @@ class PrefillChunk:
 
 
 @dataclass(slots=True)
+class DecodeBucket:
+    token_start: int  # index of the bucket's first token in the flat batch
+    num_tokens: int  # one token per sequence
+    block_tables: torch.Tensor  # (num_tokens, max_blocks) int64, for the native kernel
+    context_lens: torch.Tensor  # (num_tokens,) int64
+    # For the PyTorch path only (None when the native kernel runs):
+    context_slots: torch.Tensor | None  # (num_tokens, max_ctx) cache slots to gather, padded
+    masked: torch.Tensor | None  # (num_tokens, max_ctx) True on padding; None if none
+
+
+@dataclass(slots=True)
 class AttentionMetadata:
     positions: torch.Tensor  # (T,) position of each token in its sequence
     slot_mapping: torch.Tensor  # (T,) cache slot each token's K/V is written to
-    num_decode: int  # the first num_decode tokens are decode tokens, one per sequence
-    decode_slots: torch.Tensor | None  # (num_decode, max_ctx) slots to gather, padded
-    decode_mask: torch.Tensor | None  # (num_decode, 1, 1, max_ctx) True where attended
+    decodes: list[DecodeBucket]  # decode tokens come first in the batch
     prefills: list[PrefillChunk]
+    block_size: int
+    decode_kernel: PagedDecodeAttention | None  # native decode attention, when built
     logits_indices: torch.Tensor  # (S,) tokens whose logits are sampled
 
 
@@ -124,7 +143,7 @@ class Attention(nn.Module):
         x: torch.Tensor,  # (T, hidden)
         rope: RotaryEmbedding,
         meta: AttentionMetadata,
-        k_cache: torch.Tensor,  # (num_slots, kv_heads, head_dim)
+        k_cache: torch.Tensor,  # (kv_heads, num_slots, head_dim)
         v_cache: torch.Tensor,
     ) -> torch.Tensor:
         t = x.shape[0]
@@ -133,24 +152,28 @@ class Attention(nn.Module):
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         q, k = rope(q, k, meta.positions)
-        k_cache.index_copy_(0, meta.slot_mapping, k)
-        v_cache.index_copy_(0, meta.slot_mapping, v)
+        k_cache[:, meta.slot_mapping] = k.transpose(0, 1)
+        v_cache[:, meta.slot_mapping] = v.transpose(0, 1)
 
         out = torch.empty_like(q)  # (T, heads, head_dim)
-        d = meta.num_decode
-        if d:
-            slots = meta.decode_slots
-            kd = k_cache[slots].transpose(1, 2)  # (d, kv_heads, max_ctx, head_dim)
-            vd = v_cache[slots].transpose(1, 2)
-            qd = q[:d].unsqueeze(2)  # (d, heads, 1, head_dim)
-            o = F.scaled_dot_product_attention(
-                qd, kd, vd, attn_mask=meta.decode_mask, scale=self.scale, enable_gqa=True
-            )
-            out[:d] = o.squeeze(2)
+        for bucket in meta.decodes:
+            s, n = bucket.token_start, bucket.num_tokens
+            if meta.decode_kernel is not None:
+                out[s : s + n] = meta.decode_kernel(
+                    q[s : s + n],
+                    k_cache,
+                    v_cache,
+                    bucket.block_tables,
+                    bucket.context_lens,
+                    meta.block_size,
+                    self.scale,
+                )
+            else:
+                out[s : s + n] = self._decode(q[s : s + n], bucket, k_cache, v_cache)
         for chunk in meta.prefills:
             s, n = chunk.token_start, chunk.num_tokens
-            kp = k_cache[chunk.context_slots].transpose(0, 1).unsqueeze(0)  # (1, kv, ctx, hd)
-            vp = v_cache[chunk.context_slots].transpose(0, 1).unsqueeze(0)
+            kp = k_cache.index_select(1, chunk.context_slots).unsqueeze(0)  # (1, kv, ctx, hd)
+            vp = v_cache.index_select(1, chunk.context_slots).unsqueeze(0)
             qp = q[s : s + n].transpose(0, 1).unsqueeze(0)  # (1, heads, n, head_dim)
             o = F.scaled_dot_product_attention(
                 qp,
@@ -163,6 +186,29 @@ class Attention(nn.Module):
             )
             out[s : s + n] = o.squeeze(0).transpose(0, 1)
         return self.o_proj(out.view(t, self.q_size))
+
+    def _decode(
+        self,
+        q: torch.Tensor,  # (n, heads, head_dim)
+        bucket: DecodeBucket,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        n = q.shape[0]
+        group = self.num_heads // self.num_kv_heads
+        assert bucket.context_slots is not None
+        # index_select copies whole rows and is many times faster than advanced indexing here.
+        flat = bucket.context_slots.view(-1)
+        ctx = bucket.context_slots.shape[1]
+        kd = k_cache.index_select(1, flat).view(self.num_kv_heads, n, ctx, self.head_dim)
+        vd = v_cache.index_select(1, flat).view(self.num_kv_heads, n, ctx, self.head_dim)
+        qd = q.view(n, self.num_kv_heads, group, self.head_dim).transpose(0, 1)  # (kv, n, g, hd)
+        scores = torch.matmul(qd, kd.transpose(-1, -2)).float() * self.scale  # (kv, n, g, ctx)
+        if bucket.masked is not None:
+            scores.masked_fill_(bucket.masked[None, :, None, :], float("-inf"))
+        probs = scores.softmax(dim=-1).to(q.dtype)
+        o = torch.matmul(probs, vd)  # (kv, n, g, head_dim)
+        return o.transpose(0, 1).reshape(n, self.num_heads, self.head_dim)
 
 
 class MLP(nn.Module):
@@ -228,7 +274,18 @@ class LlamaForCausalLM(nn.Module):
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
             x = layer(x, self.rope, meta, k_cache, v_cache)
         x = self.norm(x[meta.logits_indices])
-        return self.lm_head(x).float()
+        return self._logits(x)
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.lm_head.weight
+        if x.dtype != torch.float32 or x.device.type != "cpu":
+            return self.lm_head(x).float()
+        # MKL's float32 GEMM is ~20 % slower with a 32k-wide output than over tiles of it.
+        out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
+        for start in range(0, weight.shape[0], LOGITS_TILE):
+            tile = weight[start : start + LOGITS_TILE]
+            torch.matmul(x, tile.t(), out=out[:, start : start + tile.shape[0]])
+        return out
 
     # ----- weights -----
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -1,0 +1,63 @@
+"""The native decode-attention kernel against the PyTorch path it replaces."""
+
+import logging
+
+import pytest
+import torch
+
+from poise.engine import kernels
+from poise.engine.kernels import load_paged_decode_attention
+
+
+def reference(q, k_cache, v_cache, tables, ctx, block_size, scale):
+    kv_heads = k_cache.shape[0]
+    out = []
+    for i in range(q.shape[0]):
+        pos = torch.arange(int(ctx[i]))
+        slots = tables[i][pos // block_size] * block_size + pos % block_size
+        k = k_cache[:, slots].double()  # (kv, ctx, d)
+        v = v_cache[:, slots].double()
+        qi = q[i].double().view(kv_heads, -1, q.shape[-1])  # (kv, group, d)
+        probs = (torch.einsum("hgd,hcd->hgc", qi, k) * scale).softmax(-1)
+        out.append(torch.einsum("hgc,hcd->hgd", probs, v).reshape(q.shape[1], -1))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(8, 4, 64), (4, 4, 32), (12, 2, 128)])
+def test_kernel_matches_reference(dtype, tol, heads, kv_heads, head_dim):
+    kernel = load_paged_decode_attention()
+    assert kernel is not None, "the C kernel should build wherever the tests run"
+    gen = torch.Generator().manual_seed(heads + head_dim)
+    block_size, num_blocks, n = 16, 64, 7
+    k_cache = torch.randn(kv_heads, num_blocks * block_size, head_dim, generator=gen).to(dtype)
+    v_cache = torch.randn(kv_heads, num_blocks * block_size, head_dim, generator=gen).to(dtype)
+    ctx = torch.tensor([1, 2, 15, 16, 17, 100, 250])
+    tables = torch.stack([torch.randperm(num_blocks, generator=gen)[:16] for _ in range(n)])
+    q = torch.randn(n, heads, head_dim, generator=gen).to(dtype)
+    scale = head_dim**-0.5
+    got = kernel(q, k_cache, v_cache, tables, ctx, block_size, scale)
+    want = reference(q, k_cache, v_cache, tables, ctx, block_size, scale)
+    assert got.dtype == dtype
+    assert torch.allclose(got.double(), want, atol=tol, rtol=tol)
+
+
+def test_no_compiler_falls_back_to_pytorch(tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(kernels.shutil, "which", lambda name: None)
+    with caplog.at_level(logging.WARNING, logger="poise.engine.kernels"):
+        assert load_paged_decode_attention(tmp_path / "fresh") is None
+    assert "no C compiler" in caplog.text
+
+
+def test_engine_runs_with_either_attention_path(llama_dir):
+    from poise import LLM, SamplingParams
+
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = ["The for statement", "Exceptions are raised when something goes wrong"]
+    native = LLM(llama_dir, native_kernels=True)
+    plain = LLM(llama_dir, native_kernels=False)
+    assert native.engine.runner.decode_kernel is not None
+    assert plain.engine.runner.decode_kernel is None
+    a = [o.outputs[0].token_ids for o in native.generate(prompts, sp)]
+    b = [o.outputs[0].token_ids for o in plain.generate(prompts, sp)]
+    assert a == b
