@@ -18,4 +18,5 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     max_model_len: int | None = None  # None: the model's own
     seed: int = 0  # for requests without a seed of their own
-    native_kernels: bool = True  # build and use the C decode-attention kernel on the CPU
+    # On the CPU: the C decode-attention kernel, and oneDNN-packed float32 linear layers.
+    native_kernels: bool = True

@@ -68,7 +68,9 @@ class LLMEngine:
         self.config = config or EngineConfig()
         self.clock = clock
         self.model_dir = Path(model_dir)
-        self.model = load_model(self.model_dir, self.config.dtype, self.config.device)
+        self.model = load_model(
+            self.model_dir, self.config.dtype, self.config.device, self.config.native_kernels
+        )
         self.tokenizer = Tokenizer(self.model_dir)
         mc = self.model.config
         self.max_model_len = min(self.config.max_model_len or mc.max_model_len, mc.max_model_len)

@@ -43,15 +43,17 @@ class LLM:
         )
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
-        ids = []
+        # Validate every prompt before adding any, so one bad prompt leaves nothing behind.
+        prepared = []
         for prompt, sp in zip(prompts, params, strict=True):
             source: str | list[int] = (
                 prompt if isinstance(prompt, str) else list(prompt["prompt_token_ids"])
             )
-            request, text = self.engine.prepare_request(source, sp, request_id=str(self._counter))
+            prepared.append(self.engine.prepare_request(source, sp, request_id=str(self._counter)))
             self._counter += 1
+        for request, text in prepared:
             self.engine.add_request(request, text)
-            ids.append(request.request_id)
+        ids = [request.request_id for request, _ in prepared]
         return self._run(ids, use_tqdm)
 
     def chat(

@@ -61,3 +61,19 @@ def test_engine_runs_with_either_attention_path(llama_dir):
     a = [o.outputs[0].token_ids for o in native.generate(prompts, sp)]
     b = [o.outputs[0].token_ids for o in plain.generate(prompts, sp)]
     assert a == b
+
+
+def test_packed_linears_replace_float32_layers_and_agree():
+    from torch import nn
+
+    from poise.engine.models.packed_linear import PackedLinear, pack_linears
+
+    model = nn.Sequential(nn.Linear(16, 32), nn.SiLU(), nn.Linear(32, 8, bias=False))
+    x = torch.randn(5, 16)
+    with torch.inference_mode():
+        want = model(x)
+        assert pack_linears(model)
+        assert all(isinstance(m, PackedLinear) for m in (model[0], model[2]))
+        assert torch.allclose(model(x), want, atol=1e-5)
+    bf16 = nn.Sequential(nn.Linear(16, 8)).to(torch.bfloat16)
+    assert not pack_linears(bf16)  # bfloat16 already runs on oneDNN

@@ -28,8 +28,6 @@ from poise.engine.errors import ModelLoadError
 from poise.engine.kernels import PagedDecodeAttention
 from poise.engine.models.config import ModelConfig
 
-LOGITS_TILE = 4096  # vocabulary columns per float32 logits GEMM on the CPU
-
 
 @dataclass(slots=True)
 class PrefillChunk:
@@ -274,18 +272,7 @@ class LlamaForCausalLM(nn.Module):
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
             x = layer(x, self.rope, meta, k_cache, v_cache)
         x = self.norm(x[meta.logits_indices])
-        return self._logits(x)
-
-    def _logits(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self.lm_head.weight
-        if x.dtype != torch.float32 or x.device.type != "cpu":
-            return self.lm_head(x).float()
-        # MKL's float32 GEMM is ~20 % slower with a 32k-wide output than over tiles of it.
-        out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
-        for start in range(0, weight.shape[0], LOGITS_TILE):
-            tile = weight[start : start + LOGITS_TILE]
-            torch.matmul(x, tile.t(), out=out[:, start : start + tile.shape[0]])
-        return out
+        return self.lm_head(x).float()
 
     # ----- weights -----
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -12,6 +12,7 @@ from safetensors import safe_open
 from poise.engine.errors import ModelLoadError
 from poise.engine.models.config import ModelConfig
 from poise.engine.models.llama import LlamaForCausalLM
+from poise.engine.models.packed_linear import pack_linears
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -73,8 +74,12 @@ def iter_weights(files: list[Path], dtype: torch.dtype) -> Iterator[tuple[str, t
 
 
 def load_model(
-    model_dir: str | Path, dtype: str | torch.dtype = "float32", device: str | None = None
+    model_dir: str | Path,
+    dtype: str | torch.dtype = "float32",
+    device: str | None = None,
+    cpu_kernels: bool = True,
 ) -> LlamaForCausalLM:
+    """``cpu_kernels``: on the CPU in float32, run linear layers through oneDNN (packed)."""
     model_dir = Path(model_dir)
     config = read_config(model_dir)
     files = weight_files(model_dir)
@@ -86,4 +91,6 @@ def load_model(
     model.tie_weights()
     model.load_weights(iter_weights(files, torch_dtype))
     model.rope.build(torch_device)
+    if cpu_kernels:
+        pack_linears(model)
     return model.eval()
