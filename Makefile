@@ -3,6 +3,8 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 DEMO   ?= .cache/models/demo
+HOST   ?= 127.0.0.1
+PORT   ?= 8000
 
 .PHONY: run test lint bench clean
 
@@ -24,7 +26,10 @@ $(DEMO)/config.json: | $(VENV)/.installed
 	$(VENV)/bin/poise make-model $(DEMO) --size small
 
 run: $(VENV)/.installed $(DEMO)/config.json
-	$(VENV)/bin/poise generate --model $(DEMO) --max-tokens 48
+	@echo "poise: one replica of $(DEMO) at http://$(HOST):$(PORT)  (Ctrl-C stops it)"
+	@echo "try:   curl http://$(HOST):$(PORT)/v1/completions -H 'Content-Type: application/json' \\"
+	@echo "         -d '{\"model\": \"demo\", \"prompt\": \"The for statement\", \"max_tokens\": 32}'"
+	$(VENV)/bin/poise serve --model $(DEMO) --host $(HOST) --port $(PORT)
 
 lint: $(VENV)/.installed-test
 	$(VENV)/bin/ruff check src tests benchmarks
@@ -35,6 +40,7 @@ test: lint
 
 bench: $(VENV)/.installed-test
 	$(PY) benchmarks/engine_throughput.py
+	$(PY) benchmarks/serve_overload.py
 
 clean:
 	rm -rf $(VENV) .cache

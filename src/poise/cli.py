@@ -57,6 +57,54 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from poise.config import ConfigError, ServerSettings, load_settings
+
+    flags = {name: getattr(args, name, None) for name in ServerSettings.model_fields}
+    flags["api_keys"] = args.api_key
+    if args.no_admission_control:
+        flags["admission_control"] = False
+    if args.enable_fault_injection:
+        flags["enable_fault_injection"] = True
+    try:
+        settings = load_settings(flags, args.config)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    from poise.server.run import serve
+
+    host = f"[{settings.host}]" if ":" in settings.host else settings.host
+    print(f"poise: serving {settings.model_name} at http://{host}:{settings.port}", flush=True)
+    return serve(settings)
+
+
+def _add_serve_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="a local Hugging Face model directory")
+    p.add_argument("--config", help="a YAML file of settings (flags and POISE_* env win)")
+    p.add_argument("--host")
+    p.add_argument("--port", type=int)
+    p.add_argument("--served-model-name")
+    p.add_argument("--api-key", action="append", help="accepted key (repeatable)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device")
+    p.add_argument("--kv-cache-memory-gib", type=float)
+    p.add_argument("--num-kv-blocks", type=int)
+    p.add_argument("--max-num-seqs", type=int)
+    p.add_argument("--max-num-batched-tokens", type=int)
+    p.add_argument("--max-model-len", type=int)
+    p.add_argument("--max-waiting-requests", type=int)
+    p.add_argument("--max-waiting-tokens", type=int)
+    p.add_argument("--max-queue-wait-s", type=float, help="refuse what would queue longer")
+    p.add_argument("--default-timeout-s", type=float, help="deadline of requests without one")
+    p.add_argument("--no-admission-control", action="store_true")
+    p.add_argument("--watchdog-stall-s", type=float)
+    p.add_argument("--probe-timeout-s", type=float)
+    p.add_argument("--drain-timeout", dest="drain_timeout_s", type=float)
+    p.add_argument("--max-body-bytes", type=int)
+    p.add_argument("--enable-fault-injection", action="store_true")
+    p.add_argument("--log-level")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from poise import __version__
 
@@ -81,6 +129,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     gen.add_argument("--device", default=None, help="cpu (default), cuda or auto")
     gen.set_defaults(func=_generate)
+
+    srv = sub.add_parser("serve", help="serve one replica over OpenAI-compatible HTTP")
+    _add_serve_flags(srv)
+    srv.set_defaults(func=_serve)
     return parser
 
 

@@ -13,6 +13,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -43,6 +44,7 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._idle_wait_s = idle_wait_s
         self.dead_reason: str | None = None
+        self._last_turn = time.monotonic()  # every loop turn, idle or not; for a watchdog
 
     # ----- owner -----
     def start(self) -> None:
@@ -64,30 +66,43 @@ class AsyncEngine:
 
     @property
     def last_progress(self) -> float:
-        return self.engine.timing.last_step_end
+        """Monotonic time the loop last finished a turn (a step, or an idle wait)."""
+        return self._last_turn
 
     @property
     def has_work(self) -> bool:
         return bool(self._streams)
 
     # ----- requests -----
-    async def generate(
+    def prepare(
         self,
         prompt: str | list[int],
         sampling: SamplingParams,
         request_id: str | None = None,
         priority: int = 0,
         deadline: float | None = None,
-    ) -> AsyncIterator[RequestOutput]:
+        add_special_tokens: bool = True,
+        is_probe: bool = False,
+    ) -> tuple[Request, str | None]:
+        """Validate and tokenize in the caller's thread; raises on bad input, submits nothing."""
         if not self.is_alive:
             raise EngineDeadError(self.dead_reason or "the engine is not running")
-        request, text = self.engine.prepare_request(
-            prompt, sampling, request_id, priority, deadline
+        return self.engine.prepare_request(
+            prompt, sampling, request_id, priority, deadline, add_special_tokens, is_probe
         )
+
+    async def stream(self, request: Request, text: str | None) -> AsyncIterator[RequestOutput]:
+        """Submit a prepared request; its outputs until it finishes. Leaving early aborts it."""
+        if not self.is_alive:
+            raise EngineDeadError(self.dead_reason or "the engine is not running")
         rid = request.request_id
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._lock:
             self._streams[rid] = stream
+        if self.dead_reason is not None:  # died while we registered: nobody would answer
+            with self._lock:
+                self._streams.pop(rid, None)
+            raise EngineDeadError(self.dead_reason)
         self._commands.put(("add", request, text))
         self._wake.set()
         finished = False
@@ -95,6 +110,7 @@ class AsyncEngine:
             while True:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
+                    finished = True  # it never entered the engine, or the engine is gone
                     raise item
                 finished = item.finished
                 yield item
@@ -105,6 +121,22 @@ class AsyncEngine:
                 self._streams.pop(rid, None)
             if not finished:
                 self.abort(rid)
+
+    async def generate(
+        self,
+        prompt: str | list[int],
+        sampling: SamplingParams,
+        request_id: str | None = None,
+        priority: int = 0,
+        deadline: float | None = None,
+        add_special_tokens: bool = True,
+        is_probe: bool = False,
+    ) -> AsyncIterator[RequestOutput]:
+        request, text = self.prepare(
+            prompt, sampling, request_id, priority, deadline, add_special_tokens, is_probe
+        )
+        async for out in self.stream(request, text):
+            yield out
 
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id, None))
@@ -136,7 +168,10 @@ class AsyncEngine:
     def _loop(self) -> None:
         try:
             while not self._stop.is_set():
+                self._last_turn = time.monotonic()
                 self._drain_commands()
+                for out in self.engine.take_finished_outputs():
+                    self._deliver(out.request_id, out)
                 if not self.engine.has_unfinished:
                     self._wake.wait(self._idle_wait_s)
                     self._wake.clear()

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from poise.engine.config import EngineConfig
 from poise.engine.errors import InvalidRequestError
+from poise.engine.faults import FaultInjector
 from poise.engine.kernels import load_paged_decode_attention
 from poise.engine.kv_cache import KVCacheManager, kv_bytes_per_token, num_blocks_for_budget
 from poise.engine.models.loader import load_model
@@ -56,6 +57,9 @@ class StepTiming:
     last_step_end: float = 0.0  # monotonic; the watchdog reads it
     steps: int = 0
     failures: list[str] = field(default_factory=list)
+    busy_s: float = 0.0  # wall time spent in steps that computed something
+    computed_tokens: int = 0  # tokens whose K/V a step computed (prefill chunks and decode)
+    generation_tokens: int = 0
 
 
 class LLMEngine:
@@ -109,6 +113,7 @@ class LLMEngine:
         )
         self._tracked: dict[str, _Tracked] = {}
         self.timing = StepTiming(last_step_end=clock())
+        self.faults: FaultInjector | None = None  # set by a front end that enables injection
 
     # ----- intake -----
     def prepare_request(
@@ -119,6 +124,7 @@ class LLMEngine:
         priority: int = 0,
         deadline: float | None = None,
         add_special_tokens: bool = True,
+        is_probe: bool = False,
     ) -> tuple[Request, str | None]:
         """Validate and tokenize; touches no shared state, so any thread may call it."""
         if isinstance(prompt, str):
@@ -156,6 +162,7 @@ class LLMEngine:
             eos_token_ids=self.eos_token_ids,
             priority=priority,
             deadline=deadline,
+            is_probe=is_probe,
         )
         self.scheduler.check_fits(request)
         return request, text
@@ -174,6 +181,10 @@ class LLMEngine:
             ),
             logprobs=[] if sp.logprobs is not None else None,
         )
+
+    def take_finished_outputs(self) -> list[RequestOutput]:
+        """Final outputs of requests ended outside a step (aborts), so nobody waits for a step."""
+        return self._collect([])
 
     def abort_request(self, request_id: str) -> bool:
         return self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED, "aborted")
@@ -195,10 +206,15 @@ class LLMEngine:
 
     # ----- one step -----
     def step(self) -> list[RequestOutput]:
+        if self.faults is not None:
+            self.faults.stall()
+        t0 = self.clock()
         out = self.scheduler.schedule()
         advanced: list[Request] = []
         if not out.is_empty:
             try:
+                if self.faults is not None:
+                    self.faults.before_execute()
                 result = self.runner.execute(out)
             except Exception as exc:  # a failed step fails its requests, not the engine
                 log.exception(
@@ -219,6 +235,10 @@ class LLMEngine:
             self.runner.forget(out.finished_request_ids)
         self.timing.last_step_end = self.clock()
         self.timing.steps += 1
+        if not out.is_empty:
+            self.timing.busy_s += self.timing.last_step_end - t0
+            self.timing.computed_tokens += out.num_batched_tokens
+            self.timing.generation_tokens += len(advanced)
         return self._collect(advanced)
 
     def _on_token(self, request: Request, logprobs: dict[int, float] | None, now: float) -> None:

@@ -131,6 +131,7 @@ class Request:
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of full blocks
     error: str | None = None
     first_scheduled_time: float | None = None
+    is_probe: bool = False  # a health check's one-token request: skips the running cap
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

@@ -212,11 +212,16 @@ class Scheduler:
 
     def _admit_waiting(self, scheduled: list[ScheduledSequence], budget: int) -> int:
         bs = self.kv.block_size
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and (
+            self.waiting[0].is_probe
+            or (budget > 0 and len(self.running) < self.config.max_num_seqs)
+        ):
             request = self.waiting[0]
             hits = self.kv.get_computed_blocks(request)
             n_cached = len(hits) * bs
-            n = min(request.num_tokens - n_cached, budget)
+            left = request.num_tokens - n_cached
+            # A health probe must not queue behind user work: it passes the caps.
+            n = left if request.is_probe else min(left, budget)
             if not self.kv.allocate_slots(request, n, hits):
                 break  # strict order: nobody overtakes the head of the queue
             self.kv.record_lookup(request.num_tokens, n_cached)
@@ -228,7 +233,7 @@ class Scheduler:
                 request.first_scheduled_time = self.clock()
             self.running.append(request)
             scheduled.append(self._scheduled(request, n))
-            budget -= n
+            budget = max(0, budget - n)
         return budget
 
     def _scheduled(self, request: Request, n: int) -> ScheduledSequence:

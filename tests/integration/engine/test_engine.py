@@ -106,16 +106,16 @@ def test_chat_uses_the_template(llama_dir):
     llm = LLM(llama_dir)
     out = llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=3))[0]
     tok = llm.get_tokenizer()
-    expected = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Hi"}]),
-                          add_special_tokens=False)
+    expected = tok.encode(
+        tok.apply_chat_template([{"role": "user", "content": "Hi"}]), add_special_tokens=False
+    )
     assert out.prompt_token_ids == expected
 
 
 def test_one_bad_prompt_in_a_batch_adds_nothing(llama_dir):
     llm = LLM(llama_dir, num_kv_blocks=64)
     with pytest.raises(InvalidRequestError):
-        llm.generate(["fine", {"prompt_token_ids": []}, "also fine"],
-                     SamplingParams(max_tokens=2))
+        llm.generate(["fine", {"prompt_token_ids": []}, "also fine"], SamplingParams(max_tokens=2))
     assert not llm.engine.has_unfinished
     outs = llm.generate(["after"], SamplingParams(max_tokens=2, ignore_eos=True))
     assert len(outs) == 1 and len(outs[0].outputs[0].token_ids) == 2

@@ -24,9 +24,14 @@ def references(model_dirs):
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         refs[arch] = []
         for p in PROMPTS:
-            out = hf.generate(torch.tensor([p]), do_sample=False, max_new_tokens=MAX_NEW,
-                              min_new_tokens=MAX_NEW, pad_token_id=0)
-            refs[arch].append(out[0, len(p):].tolist())
+            out = hf.generate(
+                torch.tensor([p]),
+                do_sample=False,
+                max_new_tokens=MAX_NEW,
+                min_new_tokens=MAX_NEW,
+                pad_token_id=0,
+            )
+            refs[arch].append(out[0, len(p) :].tolist())
     return refs
 
 

@@ -42,15 +42,29 @@ def test_half_precision_weights_load_to_float32(llama_dir, tmp_path):
         (lambda p: (p / "config.json").unlink(), "no config.json"),
         (lambda p: (p / "model.safetensors").unlink(), "no \\*.safetensors"),
         (lambda p: (p / "tokenizer.json").unlink(), "no tokenizer.json"),
-        (lambda p: (p / "config.json").write_text(json.dumps(
-            {**json.loads((p / "config.json").read_text()), "architectures": ["GPT2LMHeadModel"]}
-        )), "unsupported architecture"),
-        (lambda p: (p / "config.json").write_text(json.dumps(
-            {**json.loads((p / "config.json").read_text()), "num_hidden_layers": 3}
-        )), "lacks .* tensors"),
-        (lambda p: (p / "config.json").write_text(json.dumps(
-            {**json.loads((p / "config.json").read_text()), "hidden_size": 96}
-        )), "does not match"),
+        (
+            lambda p: (p / "config.json").write_text(
+                json.dumps(
+                    {
+                        **json.loads((p / "config.json").read_text()),
+                        "architectures": ["GPT2LMHeadModel"],
+                    }
+                )
+            ),
+            "unsupported architecture",
+        ),
+        (
+            lambda p: (p / "config.json").write_text(
+                json.dumps({**json.loads((p / "config.json").read_text()), "num_hidden_layers": 3})
+            ),
+            "lacks .* tensors",
+        ),
+        (
+            lambda p: (p / "config.json").write_text(
+                json.dumps({**json.loads((p / "config.json").read_text()), "hidden_size": 96})
+            ),
+            "does not match",
+        ),
     ],
 )
 def test_broken_directories_name_the_problem(llama_dir, tmp_path, damage, message):

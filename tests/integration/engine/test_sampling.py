@@ -22,17 +22,25 @@ def test_seeded_sampling_is_reproducible_across_batches(llm):
     assert crowd[1].outputs[0].token_ids == alone
     again = texts(llm.generate(["The for statement"], sp))[0]
     assert again == alone
-    different = texts(llm.generate(["The for statement"],
-                                   SamplingParams(temperature=1.0, top_p=0.9, seed=99,
-                                                  max_tokens=20, ignore_eos=True)))[0]
+    different = texts(
+        llm.generate(
+            ["The for statement"],
+            SamplingParams(temperature=1.0, top_p=0.9, seed=99, max_tokens=20, ignore_eos=True),
+        )
+    )[0]
     assert different != alone
 
 
 def test_top_k_one_is_greedy(llm):
-    greedy = texts(llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=10,
-                                                          ignore_eos=True)))
-    topk = texts(llm.generate(["Hello"], SamplingParams(temperature=1.5, top_k=1, seed=3,
-                                                        max_tokens=10, ignore_eos=True)))
+    greedy = texts(
+        llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+    )
+    topk = texts(
+        llm.generate(
+            ["Hello"],
+            SamplingParams(temperature=1.5, top_k=1, seed=3, max_tokens=10, ignore_eos=True),
+        )
+    )
     assert greedy == topk
 
 
@@ -42,11 +50,14 @@ def test_max_tokens_and_length(llm):
 
 
 def test_stop_token_ids(llm):
-    free = texts(llm.generate(["Hi"], SamplingParams(temperature=0, max_tokens=12,
-                                                     ignore_eos=True)))[0]
+    free = texts(
+        llm.generate(["Hi"], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    )[0]
     stop_at = free[4]
-    out = llm.generate(["Hi"], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
-                                              stop_token_ids=[stop_at]))[0].outputs[0]
+    out = llm.generate(
+        ["Hi"],
+        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop_token_ids=[stop_at]),
+    )[0].outputs[0]
     assert out.finish_reason == "stop" and out.stop_reason == stop_at
     assert out.token_ids == free[: free.index(stop_at) + 1]
 
@@ -56,16 +67,18 @@ def test_stop_string_truncates_text(llm):
     text = free[0].outputs[0].text
     stop = text[5:8]
     assert stop.strip(), "the model wrote too little text for this test"
-    out = llm.generate(["Hi"], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True,
-                                              stop=[stop]))[0].outputs[0]
+    out = llm.generate(
+        ["Hi"], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=[stop])
+    )[0].outputs[0]
     assert out.finish_reason == "stop" and out.stop_reason == stop
     assert out.text == text[: text.index(stop)]
     assert len(out.token_ids) < 30
 
 
 def test_logprobs_are_a_distribution(llm):
-    out = llm.generate(["Hi"], SamplingParams(temperature=0, max_tokens=4, logprobs=5,
-                                              ignore_eos=True))[0].outputs[0]
+    out = llm.generate(
+        ["Hi"], SamplingParams(temperature=0, max_tokens=4, logprobs=5, ignore_eos=True)
+    )[0].outputs[0]
     assert len(out.logprobs) == 4
     for token, lp in zip(out.token_ids, out.logprobs, strict=True):
         assert token in lp and len(lp) == 5  # greedy: the chosen token is in the top 5
@@ -77,15 +90,25 @@ def test_logprobs_are_a_distribution(llm):
 def test_penalties_change_repetitive_output(llm):
     base = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     plain = texts(llm.generate(["Hi"], base))[0]
-    penalised = texts(llm.generate(["Hi"], SamplingParams(
-        temperature=0, max_tokens=40, ignore_eos=True, frequency_penalty=2.0,
-        presence_penalty=2.0)))[0]
+    penalised = texts(
+        llm.generate(
+            ["Hi"],
+            SamplingParams(
+                temperature=0,
+                max_tokens=40,
+                ignore_eos=True,
+                frequency_penalty=2.0,
+                presence_penalty=2.0,
+            ),
+        )
+    )[0]
     assert len(set(penalised)) > len(set(plain))
 
 
 def test_min_tokens_holds_stop_tokens_back(llm):
     first = texts(llm.generate(["Hi"], SamplingParams(temperature=0, max_tokens=1)))[0][0]
-    out = llm.generate(["Hi"], SamplingParams(temperature=0, max_tokens=10, min_tokens=3,
-                                              stop_token_ids=[first]))[0].outputs[0]
+    out = llm.generate(
+        ["Hi"], SamplingParams(temperature=0, max_tokens=10, min_tokens=3, stop_token_ids=[first])
+    )[0].outputs[0]
     assert len(out.token_ids) >= 3
     assert first not in out.token_ids[:2]

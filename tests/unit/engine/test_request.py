@@ -27,14 +27,21 @@ def test_illegal_transitions_raise():
 
 
 def test_stop_rules():
-    r = Request("r", [1], SamplingParams(stop_token_ids=[7]), 0.0, max_tokens=3,
-                eos_token_ids=frozenset({9}))
+    r = Request(
+        "r",
+        [1],
+        SamplingParams(stop_token_ids=[7]),
+        0.0,
+        max_tokens=3,
+        eos_token_ids=frozenset({9}),
+    )
     r.append_output_token(5)
     assert r.check_stop_token() is None
     r.append_output_token(9)
     assert r.check_stop_token() is RequestStatus.FINISHED_STOPPED
-    r2 = Request("r", [1], SamplingParams(ignore_eos=True), 0.0, max_tokens=2,
-                 eos_token_ids=frozenset({9}))
+    r2 = Request(
+        "r", [1], SamplingParams(ignore_eos=True), 0.0, max_tokens=2, eos_token_ids=frozenset({9})
+    )
     r2.append_output_token(9)
     assert r2.check_stop_token() is None
     r2.append_output_token(7)

@@ -21,11 +21,25 @@ def make_scheduler(blocks=64, block_size=4, **cfg) -> tuple[Scheduler, FakeClock
     return Scheduler(SchedulerConfig(**cfg), KVCacheManager(blocks, block_size), clock), clock
 
 
-def add(s: Scheduler, rid: str, prompt_len: int, max_tokens: int = 4, priority: int = 0,
-        deadline: float | None = None, arrival: float | None = None, first: int = 0) -> Request:
-    r = Request(rid, list(range(first, first + prompt_len)), SamplingParams(ignore_eos=True),
-                arrival_time=s.clock() if arrival is None else arrival, max_tokens=max_tokens,
-                priority=priority, deadline=deadline)
+def add(
+    s: Scheduler,
+    rid: str,
+    prompt_len: int,
+    max_tokens: int = 4,
+    priority: int = 0,
+    deadline: float | None = None,
+    arrival: float | None = None,
+    first: int = 0,
+) -> Request:
+    r = Request(
+        rid,
+        list(range(first, first + prompt_len)),
+        SamplingParams(ignore_eos=True),
+        arrival_time=s.clock() if arrival is None else arrival,
+        max_tokens=max_tokens,
+        priority=priority,
+        deadline=deadline,
+    )
     s.add_request(r)
     return r
 

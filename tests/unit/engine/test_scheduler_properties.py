@@ -38,11 +38,17 @@ class SchedulerMachine(RuleBasedStateMachine):
         if self.kv.blocks_needed(len(prompt) + max_tokens) > self.kv.num_blocks:
             return
         self.n += 1
-        self.s.add_request(Request(
-            f"r{self.n}", prompt, SamplingParams(stop_token_ids=[3]), arrival_time=self.now,
-            max_tokens=max_tokens, priority=priority,
-            deadline=None if deadline is None else self.now + deadline,
-        ))
+        self.s.add_request(
+            Request(
+                f"r{self.n}",
+                prompt,
+                SamplingParams(stop_token_ids=[3]),
+                arrival_time=self.now,
+                max_tokens=max_tokens,
+                priority=priority,
+                deadline=None if deadline is None else self.now + deadline,
+            )
+        )
 
     @rule(token=st.integers(0, 3))
     def step(self, token):

@@ -1,0 +1,285 @@
+"""Overload behaviour of one replica, with admission control on and off.
+
+1. Capacity: Poisson arrivals at rising rates against a replica without admission control; the
+   capacity is the highest goodput (requests/s meeting TTFT <= 1 s and TPOT <= 100 ms) seen.
+2. Overload: 1x, 2x and 3x that rate for a bounded time, once with admission control (the
+   replica refuses what it predicts would queue past the TTFT budget) and once without.
+3. While each overload run lasts, /health, /ready and /metrics are polled and timed.
+
+Prompts are 256 random token ids (no prefix-cache hits), outputs exactly 64 tokens
+(ignore_eos), streamed so TTFT and TPOT are measured at the client. Everything runs on loopback
+and stops by itself; the replica is started and stopped by pid.
+
+    python benchmarks/serve_overload.py --model .cache/models/w0 [--duration 30] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import httpx
+
+TTFT_SLO_S = 1.0
+TPOT_SLO_S = 0.100
+PROMPT_TOKENS = 256
+OUTPUT_TOKENS = 64
+
+
+@dataclass
+class Result:
+    status: int
+    latency_s: float  # to the full response (or to the refusal)
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+    error: str | None = None
+
+    @property
+    def good(self) -> bool:
+        return (
+            self.status == 200 and self.error is None
+            and self.ttft_s is not None and self.ttft_s <= TTFT_SLO_S
+            and self.tpot_s is not None and self.tpot_s <= TPOT_SLO_S
+        )
+
+
+@dataclass
+class RunReport:
+    label: str
+    offered_rps: float
+    duration_s: float
+    sent: int
+    goodput_rps: float
+    admitted: int
+    attainment: float  # share of admitted requests that met both SLOs
+    rejected_share: float
+    failed: int  # admitted but ended with an error
+    ttft_p50_s: float | None
+    ttft_p99_s: float | None
+    reject_p99_ms: float | None
+    probe_p99_ms: dict[str, float] = field(default_factory=dict)
+
+
+def pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+async def one_request(client: httpx.AsyncClient, url: str, prompt: list[int]) -> Result:
+    body = {
+        "prompt": prompt, "max_tokens": OUTPUT_TOKENS, "ignore_eos": True, "stream": True,
+        "temperature": 0,
+    }
+    t0 = time.perf_counter()
+    first: float | None = None
+    error = None
+    try:
+        async with client.stream("POST", url + "/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                await r.aread()
+                return Result(r.status_code, time.perf_counter() - t0)
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                if "error" in event:
+                    error = event["error"]["message"]
+                elif first is None and event["choices"] and event["choices"][0]["text"]:
+                    first = time.perf_counter()
+    except httpx.HTTPError as exc:
+        return Result(599, time.perf_counter() - t0, error=repr(exc))
+    end = time.perf_counter()
+    if first is None:
+        return Result(200, end - t0, error=error or "no tokens")
+    return Result(200, end - t0, first - t0, (end - first) / (OUTPUT_TOKENS - 1), error)
+
+
+async def probe_loop(url: str, stop: asyncio.Event, out: dict[str, list[float]]) -> None:
+    async with httpx.AsyncClient(timeout=10) as client:
+        while not stop.is_set():
+            for path in ("/health", "/ready", "/metrics"):
+                t0 = time.perf_counter()
+                await client.get(url + path)
+                out.setdefault(path, []).append(1000 * (time.perf_counter() - t0))
+            await asyncio.sleep(0.1)
+
+
+async def run_load(url: str, label: str, rate: float, duration: float, seed: int,
+                   probe: bool) -> RunReport:
+    rng = random.Random(seed)
+    limits = httpx.Limits(max_connections=2000, max_keepalive_connections=2000)
+    probes: dict[str, list[float]] = {}
+    stop = asyncio.Event()
+    async with httpx.AsyncClient(timeout=httpx.Timeout(300.0), limits=limits) as client:
+        prober = asyncio.create_task(probe_loop(url, stop, probes)) if probe else None
+        tasks = []
+        start = time.perf_counter()
+        t = 0.0
+        while True:
+            t += rng.expovariate(rate)
+            if t > duration:
+                break
+            delay = start + t - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            prompt = [rng.randrange(300, 31000) for _ in range(PROMPT_TOKENS)]
+            tasks.append(asyncio.create_task(one_request(client, url, prompt)))
+        results: list[Result] = await asyncio.gather(*tasks)
+        stop.set()
+        if prober is not None:
+            await prober
+    elapsed = max(duration, 1e-9)
+    admitted = [r for r in results if r.status == 200]
+    good = [r for r in admitted if r.good]
+    refused = [r for r in results if r.status == 429]
+    ttfts = [r.ttft_s for r in admitted if r.ttft_s is not None]
+    return RunReport(
+        label=label,
+        offered_rps=rate,
+        duration_s=duration,
+        sent=len(results),
+        goodput_rps=len(good) / elapsed,
+        admitted=len(admitted),
+        attainment=len(good) / len(admitted) if admitted else 0.0,
+        rejected_share=len(refused) / len(results) if results else 0.0,
+        failed=sum(1 for r in results if r.status not in (200, 429) or r.error),
+        ttft_p50_s=pct(ttfts, 0.5),
+        ttft_p99_s=pct(ttfts, 0.99),
+        reject_p99_ms=None if not refused else 1000 * pct([r.latency_s for r in refused], 0.99),
+        probe_p99_ms={k: pct(v, 0.99) or 0.0 for k, v in probes.items()},
+    )
+
+
+class Replica:
+    def __init__(self, model: str, flags: list[str]) -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "poise.cli", "serve", "--model", model,
+               "--port", str(self.port), "--log-level", "warning", *flags]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=sys.stderr)
+        end = time.monotonic() + 300
+        while time.monotonic() < end:
+            try:
+                if httpx.get(self.url + "/ready", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if self.proc.poll() is not None:
+                raise RuntimeError("the replica exited while starting")
+            time.sleep(0.2)
+        self.stop()
+        raise TimeoutError("the replica did not become ready")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def fmt(v: float | None, scale: float = 1.0, digits: int = 2) -> str:
+    return "-" if v is None else f"{v * scale:.{digits}f}"
+
+
+def print_table(capacity: float, peak: float, runs: list[RunReport]) -> None:
+    print(f"\ncapacity: {capacity:.2f} req/s offered -> peak goodput {peak:.2f} req/s "
+          f"(TTFT <= {TTFT_SLO_S:g}s, TPOT <= {1000 * TPOT_SLO_S:g}ms, "
+          f"{PROMPT_TOKENS}-token prompts, {OUTPUT_TOKENS}-token outputs)")
+    head = (f"{'run':<18}{'offered/s':>10}{'goodput/s':>10}{'of peak':>9}{'attain':>8}"
+            f"{'rejected':>9}{'failed':>7}{'TTFT p50':>9}{'TTFT p99':>9}{'reject p99':>11}")
+    print(head)
+    for r in runs:
+        print(f"{r.label:<18}{r.offered_rps:>10.2f}{r.goodput_rps:>10.2f}"
+              f"{100 * r.goodput_rps / peak:>8.0f}%{100 * r.attainment:>7.1f}%"
+              f"{100 * r.rejected_share:>8.1f}%{r.failed:>7}{fmt(r.ttft_p50_s):>8}s"
+              f"{fmt(r.ttft_p99_s):>8}s{fmt(r.reject_p99_ms, 1, 1):>9}ms")
+    print("\nprobe latency p99 while loaded (ms):")
+    for r in runs:
+        if r.probe_p99_ms:
+            cells = "  ".join(f"{k} {v:.1f}" for k, v in r.probe_p99_ms.items())
+            print(f"  {r.label:<18}{cells}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=".cache/models/w0")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals per run")
+    ap.add_argument("--sweep-duration", type=float, default=20.0)
+    ap.add_argument("--rates", default="1,2,3,4,5,6,8", help="capacity sweep, req/s")
+    ap.add_argument("--capacity", type=float, help="skip the sweep and use this rate")
+    ap.add_argument("--max-queue-wait-s", type=float, default=0.5,
+                    help="the admission budget for queueing (part of the 1 s TTFT)")
+    ap.add_argument("--engine-flags", default="--max-num-seqs 32 --max-num-batched-tokens 512")
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    if not Path(args.model).exists():
+        print(f"no model at {args.model}; make it with: poise make-model {args.model} --size w0")
+        return 2
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    engine = ["--dtype", args.dtype, *args.engine_flags.split()]
+    off = [*engine, "--no-admission-control"]
+    on = [*engine, "--max-queue-wait-s", str(args.max_queue_wait_s)]
+
+    sweep: list[RunReport] = []
+    if args.capacity is None:
+        replica = Replica(args.model, off)
+        try:
+            asyncio.run(run_load(replica.url, "warmup", 1.0, 5.0, 99, False))
+            for i, rate in enumerate(float(r) for r in args.rates.split(",")):
+                rep = asyncio.run(run_load(replica.url, f"sweep {rate:g}/s", rate,
+                                           args.sweep_duration, 100 + i, False))
+                sweep.append(rep)
+                print(f"sweep {rate:5.2f}/s: goodput {rep.goodput_rps:.2f}/s, attainment "
+                      f"{100 * rep.attainment:.1f}%, TTFT p99 {fmt(rep.ttft_p99_s)}s", flush=True)
+                if rep.attainment < 0.5:
+                    break
+        finally:
+            replica.stop()
+        best = max(sweep, key=lambda r: r.goodput_rps)
+        capacity, peak = best.offered_rps, best.goodput_rps
+    else:
+        capacity = peak = args.capacity
+
+    runs: list[RunReport] = []
+    for mode, flags in (("admission on", on), ("admission off", off)):
+        replica = Replica(args.model, flags)
+        try:
+            asyncio.run(run_load(replica.url, "warmup", 1.0, 5.0, 98, False))
+            for mult in (1, 2, 3):
+                rep = asyncio.run(run_load(replica.url, f"{mode} {mult}x", capacity * mult,
+                                           args.duration, 200 + mult, True))
+                runs.append(rep)
+                print(f"{rep.label}: goodput {rep.goodput_rps:.2f}/s, attainment "
+                      f"{100 * rep.attainment:.1f}%, rejected {100 * rep.rejected_share:.1f}%",
+                      flush=True)
+        finally:
+            replica.stop()
+    print_table(capacity, peak, runs)
+    if args.json:
+        args.json.write_text(json.dumps(
+            {"capacity_rps": capacity, "peak_goodput_rps": peak,
+             "sweep": [asdict(r) for r in sweep], "runs": [asdict(r) for r in runs]}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,109 @@
+"""Typed settings for a replica, from a YAML file, environment variables and flags (flags win).
+
+Precedence is the one operators expect from Kubernetes deployments: a config file baked into the
+image, environment variables set per deployment (``POISE_<FIELD>``, lists comma-separated), and
+command-line flags for the one-off. Unknown keys are an error, so a typo cannot pass silently.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+ENV_PREFIX = "POISE_"
+
+
+class ConfigError(ValueError):
+    """The settings are wrong; the message says which and why."""
+
+
+class ServerSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=0, le=65535)
+    served_model_name: str | None = None
+    api_keys: list[str] = Field(default_factory=list)
+
+    # engine
+    dtype: str = "float32"
+    device: str | None = None
+    kv_cache_memory_gib: float = Field(default=1.0, gt=0)
+    num_kv_blocks: int | None = Field(default=None, ge=1)
+    block_size: int = Field(default=16, ge=1)
+    max_num_seqs: int = Field(default=64, ge=1)
+    max_num_batched_tokens: int = Field(default=2048, ge=1)
+    max_model_len: int | None = Field(default=None, ge=1)
+    enable_prefix_caching: bool = True
+    native_kernels: bool = True
+    seed: int = 0
+
+    # admission and deadlines
+    admission_control: bool = True
+    max_waiting_requests: int = Field(default=256, ge=1)
+    max_waiting_tokens: int = Field(default=1 << 20, ge=1)
+    max_queue_wait_s: float | None = Field(default=None, gt=0)
+    default_timeout_s: float | None = Field(default=None, gt=0)
+
+    # health and lifecycle
+    watchdog_stall_s: float = Field(default=10.0, gt=0)
+    probe_timeout_s: float = Field(default=5.0, gt=0)
+    drain_timeout_s: float = Field(default=30.0, ge=0)
+    exit_on_engine_death: bool = True
+    max_body_bytes: int = Field(default=4 << 20, ge=1024)
+    enable_fault_injection: bool = False
+    log_level: str = "info"
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or Path(self.model).name
+
+
+def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, field in ServerSettings.model_fields.items():
+        raw = env.get(ENV_PREFIX + name.upper())
+        if raw is None:
+            continue
+        if "list" in str(field.annotation):
+            out[name] = [part.strip() for part in raw.split(",") if part.strip()]
+        else:
+            out[name] = raw
+    return out
+
+
+def _from_file(path: str | Path) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {path} is not valid YAML: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping of settings")
+    return {str(k).replace("-", "_"): v for k, v in data.items()}
+
+
+def load_settings(
+    flags: Mapping[str, Any],
+    config_file: str | Path | None = None,
+    env: Mapping[str, str] | None = None,
+) -> ServerSettings:
+    merged: dict[str, Any] = {}
+    if config_file is not None:
+        merged.update(_from_file(config_file))
+    merged.update(_from_env(os.environ if env is None else env))
+    merged.update({k: v for k, v in flags.items() if v is not None})
+    try:
+        return ServerSettings.model_validate(merged)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc']) or 'settings'}: {e['msg']}" for e in exc.errors()
+        )
+        raise ConfigError(f"invalid settings: {problems}") from exc

@@ -1,0 +1,175 @@
+"""OpenAI's wire format: request and response models and the error shape.
+
+Shared by the replica server and the gateway, so both speak exactly the same dialect. Field names
+and defaults follow OpenAI's API reference; the extra sampling fields vLLM users send (``top_k``,
+``ignore_eos``, ``priority``, ``min_tokens``, ``stop_token_ids``) are accepted too. Unknown fields
+are ignored, as OpenAI's own server and vLLM do, so newer clients keep working.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+# ----- errors -----
+
+ERROR_TYPES: dict[int, str] = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "internal_error",
+    503: "service_unavailable",
+    504: "timeout_error",
+}
+
+
+def error_body(
+    status: int, message: str, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    return {
+        "error": {
+            "message": message,
+            "type": ERROR_TYPES.get(status, "api_error"),
+            "param": param,
+            "code": code,
+        }
+    }
+
+
+class APIError(Exception):
+    """An error with its HTTP status, raised anywhere a request is handled."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.status, self.message, self.param, self.code)
+
+
+# ----- requests -----
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    n: int = Field(default=1, ge=1, le=128)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**64 - 1)
+    presence_penalty: float = Field(default=0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
+    user: str | None = None
+    # vLLM's extras
+    top_k: int | None = Field(default=None, ge=-1)
+    min_tokens: int = Field(default=0, ge=0)
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    priority: int | None = Field(default=None, ge=-(2**31), le=2**31 - 1)
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool = False
+
+
+class CompletionRequest(_Request):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(default=16, ge=1)
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = Field(default=None, ge=1, le=128)
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        parts = []
+        for part in self.content:
+            if part.type != "text" or part.text is None:
+                raise APIError(
+                    400, f"content parts of type {part.type!r} are not supported", "messages"
+                )
+            parts.append(part.text)
+        return "".join(parts)
+
+
+class ChatCompletionRequest(_Request):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    add_generation_prompt: bool = True
+
+
+StreamOptions.model_rebuild()
+_Request.model_rebuild()
+CompletionRequest.model_rebuild()
+ChatCompletionRequest.model_rebuild()
+
+
+# ----- responses -----
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now_s() -> int:
+    return int(time.time())
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=now_s)
+    owned_by: str = "poise"
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

@@ -1,0 +1,189 @@
+"""Admission control: bound the queue, refuse early what cannot start in time, shed by priority.
+
+A replica that accepts everything turns a burst into minutes of queueing for everyone; one that
+refuses early keeps the requests it took inside their SLO and tells the others at once (429 and
+a ``Retry-After``) so that a gateway can send them elsewhere. The decision happens before any
+expensive work and needs only what this object has seen: who is waiting, and how fast waiting
+requests have been starting.
+
+The service-rate estimate is an exponentially weighted mean of the interval between two starts,
+counted only while someone was waiting throughout (idle time says nothing about capacity). If
+the head of the queue has waited longer than that mean, the wait so far is the better estimate,
+so a stalled engine stops admitting instead of trusting an old, fast rate.
+
+Priorities follow vLLM: lower values run first. A request is only queued behind those with a
+value at most its own, so a high-priority request may be admitted when a low-priority one would
+be refused; and when a bound is hit, waiting requests of strictly lower priority are shed (worst
+first, newest first) to make room, and their owners are told with the same 429.
+
+No library offers this: rate limiters bound arrivals, not a queue whose drain rate is measured;
+the policy is small, pure and takes its clock as an argument so it is tested without sleeping.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionConfig:
+    enabled: bool = True  # off: admit everything (bounds and predictions still reported)
+    max_waiting_requests: int = 256
+    max_waiting_tokens: int = 1 << 20  # prompt tokens admitted but not yet started
+    max_queue_wait_s: float | None = None  # refuse what is predicted to wait longer (TTFT SLO)
+    ewma_alpha: float = 0.2
+
+    def __post_init__(self) -> None:
+        if self.max_waiting_requests < 1 or self.max_waiting_tokens < 1:
+            raise ValueError("admission bounds must be at least 1")
+        if not 0.0 < self.ewma_alpha <= 1.0:
+            raise ValueError("ewma_alpha must be in (0, 1]")
+
+
+@dataclass(frozen=True, slots=True)
+class Ticket:
+    key: str
+    prompt_tokens: int
+    priority: int
+    arrival: float
+
+    @property
+    def shed_order(self) -> tuple[int, float]:
+        return (self.priority, self.arrival)
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    admitted: bool
+    reason: str | None  # queue_full, queue_tokens_full, deadline, queue_wait
+    predicted_wait_s: float
+    retry_after_s: float  # whole seconds, at least 1, when refused; 0 when admitted
+    shed: tuple[str, ...] = ()  # keys of waiting requests dropped to make room
+
+
+class AdmissionController:
+    def __init__(self, config: AdmissionConfig, clock: Callable[[], float]) -> None:
+        self.config = config
+        self.clock = clock
+        self.waiting: dict[str, Ticket] = {}
+        self.waiting_tokens = 0
+        self.mean_start_interval_s: float | None = None
+        self._last_start: float | None = None
+        self._queue_busy_since_last_start = False
+
+    # ----- what the server asks -----
+    @property
+    def saturated(self) -> bool:
+        c = self.config
+        return (
+            len(self.waiting) >= c.max_waiting_requests
+            or self.waiting_tokens >= c.max_waiting_tokens
+        )
+
+    def predicted_wait(self, priority: int) -> float:
+        """Seconds until a request of this priority, arriving now, would start."""
+        ahead = sum(1 for t in self.waiting.values() if t.priority <= priority)
+        if ahead == 0:
+            return 0.0
+        return ahead * self._interval_estimate()
+
+    def admit(
+        self,
+        keys: Sequence[str],
+        prompt_tokens: Sequence[int],
+        priority: int = 0,
+        deadline: float | None = None,
+    ) -> Decision:
+        """Admit a group (the n choices of one HTTP request) whole, or none of it."""
+        if len(keys) != len(prompt_tokens) or not keys:
+            raise ValueError("one prompt length per key, at least one key")
+        now = self.clock()
+        wait = self.predicted_wait(priority)
+        tickets = [Ticket(k, n, priority, now) for k, n in zip(keys, prompt_tokens, strict=True)]
+        if not self.config.enabled:
+            self._enqueue(tickets)
+            return Decision(True, None, wait, 0.0)
+        if deadline is not None and wait >= deadline - now:
+            return self._refuse("deadline", wait, wait)
+        limit = self.config.max_queue_wait_s
+        if limit is not None and wait > limit:
+            return self._refuse("queue_wait", wait, wait - limit)
+        shed = self._make_room(len(tickets), sum(prompt_tokens), priority)
+        if shed is None:
+            reason = (
+                "queue_full"
+                if len(self.waiting) + len(tickets) > self.config.max_waiting_requests
+                else "queue_tokens_full"
+            )
+            excess = len(self.waiting) + len(tickets) - self.config.max_waiting_requests
+            return self._refuse(reason, wait, max(1, excess) * self._interval_estimate())
+        for ticket in shed:
+            self._remove(ticket.key)
+        self._enqueue(tickets)
+        return Decision(True, None, wait, 0.0, tuple(t.key for t in shed))
+
+    # ----- what the server reports -----
+    def started(self, key: str) -> None:
+        """The request left the queue by starting to run: one more sample of the start rate."""
+        if self._remove(key) is None:
+            return
+        now = self.clock()
+        if self._last_start is not None and self._queue_busy_since_last_start:
+            interval = max(0.0, now - self._last_start)
+            mean = self.mean_start_interval_s
+            a = self.config.ewma_alpha
+            self.mean_start_interval_s = interval if mean is None else (1 - a) * mean + a * interval
+        self._last_start = now
+        self._queue_busy_since_last_start = bool(self.waiting)
+
+    def left(self, key: str) -> None:
+        """The request left the queue without starting (abort, timeout, error, shed)."""
+        self._remove(key)
+
+    # ----- inside -----
+    def _interval_estimate(self) -> float:
+        mean = self.mean_start_interval_s or 0.0
+        if self.waiting and self._last_start is not None:
+            return max(mean, self.clock() - self._last_start)
+        return mean
+
+    def _make_room(self, count: int, tokens: int, priority: int) -> list[Ticket] | None:
+        c = self.config
+        n, used = len(self.waiting), self.waiting_tokens
+        if count > c.max_waiting_requests or tokens > c.max_waiting_tokens:
+            return None
+        shed: list[Ticket] = []
+        victims = sorted(
+            (t for t in self.waiting.values() if t.priority > priority),
+            key=lambda t: t.shed_order,
+            reverse=True,
+        )
+        for victim in victims:
+            if n + count <= c.max_waiting_requests and used + tokens <= c.max_waiting_tokens:
+                break
+            shed.append(victim)
+            n -= 1
+            used -= victim.prompt_tokens
+        if n + count <= c.max_waiting_requests and used + tokens <= c.max_waiting_tokens:
+            return shed
+        return None
+
+    def _enqueue(self, tickets: list[Ticket]) -> None:
+        if not self.waiting and tickets:
+            # The queue was idle: measure the next start from now, not from before the idle time.
+            self._last_start = tickets[0].arrival
+            self._queue_busy_since_last_start = True
+        for ticket in tickets:
+            self.waiting[ticket.key] = ticket
+            self.waiting_tokens += ticket.prompt_tokens
+
+    def _remove(self, key: str) -> Ticket | None:
+        ticket = self.waiting.pop(key, None)
+        if ticket is not None:
+            self.waiting_tokens -= ticket.prompt_tokens
+        return ticket
+
+    def _refuse(self, reason: str, wait: float, retry_after: float) -> Decision:
+        return Decision(False, reason, wait, float(max(1, math.ceil(retry_after))))

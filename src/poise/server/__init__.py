@@ -1,0 +1,1 @@
+"""One replica over OpenAI-compatible HTTP (FastAPI + uvicorn)."""

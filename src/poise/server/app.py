@@ -1,0 +1,231 @@
+"""The replica's FastAPI app, built by ``create_app`` (never at import).
+
+The model loads in a thread after the server starts listening, so ``/health`` answers (alive) and
+``/ready`` says ``loading`` meanwhile, as a Kubernetes probe expects. Every error leaves in
+OpenAI's shape; FastAPI's 422 for validation errors becomes 400, as OpenAI and vLLM answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from poise import __version__
+from poise.config import ServerSettings
+from poise.engine.async_engine import AsyncEngine
+from poise.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+)
+from poise.server.http import ClientGoneError, EventStreamResponse, GuardMiddleware
+from poise.server.http import unless_disconnected as _unless_disconnected
+from poise.server.openai_api import create_chat_completion, create_completion
+from poise.server.replica import Phase, Replica
+
+log = logging.getLogger("poise.server")
+
+EngineLoader = Callable[[ServerSettings], AsyncEngine]
+
+
+def load_engine(settings: ServerSettings) -> AsyncEngine:
+    from poise.engine.config import EngineConfig
+    from poise.engine.engine import LLMEngine
+
+    config = EngineConfig(
+        dtype=settings.dtype,
+        device=settings.device,
+        block_size=settings.block_size,
+        kv_cache_memory_bytes=int(settings.kv_cache_memory_gib * (1 << 30)),
+        num_kv_blocks=settings.num_kv_blocks,
+        max_num_seqs=settings.max_num_seqs,
+        max_num_batched_tokens=settings.max_num_batched_tokens,
+        enable_prefix_caching=settings.enable_prefix_caching,
+        max_model_len=settings.max_model_len,
+        seed=settings.seed,
+        native_kernels=settings.native_kernels,
+    )
+    return AsyncEngine(LLMEngine(settings.model, config))
+
+
+class FaultSettings(BaseModel):
+    step_delay_s: float | None = Field(default=None, ge=0, le=60)
+    fail_steps: int | None = Field(default=None, ge=0, le=1_000_000)
+    stall_s: float | None = Field(default=None, ge=0, le=3600)
+    kill_loop: bool | None = None
+
+
+class ServerState:
+    """What the routes share: the replica once loaded, or why loading failed."""
+
+    def __init__(self, settings: ServerSettings) -> None:
+        self.settings = settings
+        self.replica: Replica | None = None
+        self.load_error: str | None = None
+        self.on_fatal: Callable[[str], None] = lambda reason: None
+
+    def require(self) -> Replica:
+        if self.replica is None:
+            why = self.load_error or "the model is still loading"
+            raise APIError(503, why, code="loading")
+        return self.replica
+
+
+def _error_response(exc: APIError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+
+def create_app(settings: ServerSettings, loader: EngineLoader = load_engine) -> FastAPI:
+    state = ServerState(settings)
+
+    async def load() -> None:
+        try:
+            engine = await asyncio.to_thread(loader, settings)
+            engine.start()
+            replica = Replica(settings, engine)
+            replica.phase = Phase.READY
+            state.replica = replica
+            log.info("model %s loaded and ready", settings.model_name)
+        except Exception as exc:
+            log.exception("loading the model failed")
+            state.load_error = f"loading the model failed: {exc}"
+            state.on_fatal(state.load_error)
+            return
+        while True:  # the engine's death is the server's: let a supervisor restart us
+            await asyncio.sleep(0.5)
+            if not replica.engine.is_alive and settings.exit_on_engine_death:
+                await asyncio.sleep(1.0)  # let /health say so to whoever is polling
+                state.on_fatal(replica.engine.dead_reason or "the engine loop died")
+                return
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        loading = asyncio.create_task(load())
+        yield
+        loading.cancel()
+        if state.replica is not None:
+            await state.replica.engine.aclose()
+
+    app = FastAPI(title="poise replica", version=__version__, lifespan=lifespan)
+    app.state.poise = state
+    app.add_middleware(
+        GuardMiddleware, max_body_bytes=settings.max_body_bytes, api_keys=settings.api_keys
+    )
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return _error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
+        if first.get("type") == "json_invalid":
+            return _error_response(APIError(400, "the request body is not valid JSON"))
+        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        message = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid')}"
+        if len(errors) > 1:
+            message += f" (and {len(errors) - 1} more problems)"
+        return _error_response(APIError(400, message, param=".".join(loc) or None))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return _error_response(APIError(exc.status_code, str(exc.detail)))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s", request.url.path)
+        return _error_response(APIError(500, f"internal error: {type(exc).__name__}"))
+
+    async def respond(request: Request, work: Any) -> Response:
+        try:
+            result = await _unless_disconnected(request.receive, work)
+        except ClientGoneError:
+            return Response(status_code=499)
+        if isinstance(result, dict):
+            return JSONResponse(result)
+        return EventStreamResponse(result)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        replica = state.require()
+        return await respond(request, create_completion(replica, body, request.headers))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        replica = state.require()
+        return await respond(request, create_chat_completion(replica, body, request.headers))
+
+    @app.get("/v1/models")
+    async def models() -> ModelList:
+        replica = state.replica
+        max_len = replica.engine.engine.max_model_len if replica is not None else None
+        return ModelList(data=[ModelCard(id=settings.model_name, max_model_len=max_len)])
+
+    @app.get("/health")
+    async def health(probe: str | None = None) -> JSONResponse:
+        if state.load_error is not None:
+            return JSONResponse({"status": "unhealthy", "reason": state.load_error}, 503)
+        if state.replica is None:
+            return JSONResponse({"status": "loading"})  # alive; /ready says not yet
+        if probe == "generate":
+            ok, why = await state.replica.probe()
+        elif probe is None:
+            ok, why = state.replica.health()
+        else:
+            raise APIError(400, "probe must be 'generate' or absent", param="probe")
+        return JSONResponse(
+            {"status": "ok" if ok else "unhealthy", "reason": why}, 200 if ok else 503
+        )
+
+    @app.get("/ready")
+    async def ready() -> JSONResponse:
+        if state.replica is None:
+            reason = state.load_error or "loading"
+            return JSONResponse({"status": "not ready", "reason": reason}, 503)
+        ok, why = state.replica.readiness()
+        return JSONResponse(
+            {"status": "ready" if ok else "not ready", "reason": why}, 200 if ok else 503
+        )
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        if state.replica is None:
+            return Response(b"", media_type=CONTENT_TYPE_LATEST)
+        return Response(
+            generate_latest(state.replica.metrics.registry), media_type=CONTENT_TYPE_LATEST
+        )
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": __version__, "model": settings.model_name}
+
+    if settings.enable_fault_injection:
+
+        @app.post("/admin/faults")
+        async def set_faults(body: FaultSettings) -> dict[str, Any]:
+            faults = state.require().faults
+            assert faults is not None
+            faults.configure(body.step_delay_s, body.fail_steps, body.stall_s, body.kill_loop)
+            return faults.snapshot()
+
+        @app.delete("/admin/faults")
+        async def clear_faults() -> dict[str, Any]:
+            faults = state.require().faults
+            assert faults is not None
+            faults.clear()
+            return faults.snapshot()
+
+    return app

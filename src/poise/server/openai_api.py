@@ -1,0 +1,349 @@
+"""OpenAI's completions and chat completions over a ``Replica``: parameters in, JSON or SSE out.
+
+Streaming responses wait for the first output before sending headers, so anything that fails
+before a token exists (admission, deadline, a failed step) still gets its proper HTTP status;
+after the first byte a failure becomes an SSE error event followed by ``data: [DONE]``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Mapping
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import Any
+
+from poise.engine.errors import InvalidRequestError
+from poise.engine.outputs import RequestOutput
+from poise.engine.request import SamplingParams
+from poise.protocol import APIError, ChatCompletionRequest, CompletionRequest, new_id, now_s
+from poise.server.replica import Prepared, Replica
+
+DONE = b"data: [DONE]\n\n"
+
+
+def sse(payload: Mapping[str, Any]) -> bytes:
+    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+
+
+def priority_from(body_priority: int | None, header: str | None) -> int:
+    if body_priority is not None:
+        return body_priority
+    if header is None:
+        return 0
+    try:
+        value = int(header)
+    except ValueError:
+        raise APIError(400, "X-Priority must be an integer", param="X-Priority") from None
+    if not -(2**31) < value < 2**31:
+        raise APIError(400, "X-Priority is out of range", param="X-Priority")
+    return value
+
+
+def _sampling(
+    body: CompletionRequest | ChatCompletionRequest,
+    max_tokens: int | None,
+    logprobs: int | None,
+    choice: int,
+) -> SamplingParams:
+    try:
+        return SamplingParams(
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            top_k=body.top_k or 0,
+            max_tokens=max_tokens,
+            stop=body.stop,
+            stop_token_ids=body.stop_token_ids,
+            # n choices with one seed must still differ, and stay reproducible.
+            seed=None if body.seed is None else (body.seed + choice) % (2**63),
+            ignore_eos=body.ignore_eos,
+            logprobs=logprobs,
+            presence_penalty=body.presence_penalty,
+            frequency_penalty=body.frequency_penalty,
+            min_tokens=body.min_tokens,
+            include_stop_str_in_output=body.include_stop_str_in_output,
+        )
+    except InvalidRequestError as exc:
+        raise APIError(400, str(exc), param=exc.param) from exc
+
+
+@dataclass(slots=True)
+class _Call:
+    """One HTTP request in flight: its engine requests, ``n`` per prompt, in choice order."""
+
+    replica: Replica
+    group: list[Prepared]
+    n: int
+    chat: bool
+    response_id: str
+    created: int
+    model: str
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(p.request.num_prompt_tokens for p in self.group[:: self.n])
+
+    def token_text(self, token_id: int) -> str:
+        return self.replica.engine.engine.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def completion_logprobs(self, entries: list[dict[int, float]], offset: int) -> dict[str, Any]:
+        tokens, token_lps, tops, offsets = [], [], [], []
+        for entry in entries:
+            chosen, lp = next(iter(entry.items()))
+            text = self.token_text(chosen)
+            tokens.append(text)
+            token_lps.append(lp)
+            tops.append({self.token_text(t): v for t, v in entry.items()})
+            offsets.append(offset)
+            offset += len(text)
+        return {
+            "tokens": tokens,
+            "token_logprobs": token_lps,
+            "top_logprobs": tops,
+            "text_offset": offsets,
+        }
+
+    def chat_logprobs(self, entries: list[dict[int, float]], top: int) -> dict[str, Any]:
+        content = []
+        for entry in entries:
+            items = list(entry.items())
+            chosen, lp = items[0]
+            text = self.token_text(chosen)
+            alts = sorted(items, key=lambda kv: -kv[1])[:top]
+            content.append(
+                {
+                    "token": text,
+                    "logprob": lp,
+                    "bytes": list(text.encode()),
+                    "top_logprobs": [
+                        {
+                            "token": (s := self.token_text(t)),
+                            "logprob": v,
+                            "bytes": list(s.encode()),
+                        }
+                        for t, v in alts
+                    ],
+                }
+            )
+        return {"content": content}
+
+
+def _choice_body(
+    call: _Call, index: int, out: RequestOutput, top: int | None, echo: str
+) -> dict[str, Any]:
+    c = out.outputs[0]
+    if call.chat:
+        return {
+            "index": index,
+            "message": {"role": "assistant", "content": c.text},
+            "logprobs": call.chat_logprobs(c.logprobs, top or 0)
+            if c.logprobs is not None
+            else None,
+            "finish_reason": c.finish_reason,
+            "stop_reason": c.stop_reason,
+        }
+    return {
+        "index": index,
+        "text": echo + c.text,
+        "logprobs": call.completion_logprobs(c.logprobs, len(echo))
+        if c.logprobs is not None
+        else None,
+        "finish_reason": c.finish_reason,
+        "stop_reason": c.stop_reason,
+    }
+
+
+async def _collect(call: _Call, top: int | None, echo: list[str]) -> dict[str, Any]:
+    last: dict[int, RequestOutput] = {}
+    async with aclosing(call.replica.run(call.group)) as outputs:
+        async for i, out in outputs:
+            last[i] = out
+    choices = [
+        _choice_body(call, i, last[i], top, echo[i // call.n] if echo else "")
+        for i in range(len(call.group))
+    ]
+    completion_tokens = sum(len(o.outputs[0].token_ids) for o in last.values())
+    return {
+        "id": call.response_id,
+        "object": "chat.completion" if call.chat else "text_completion",
+        "created": call.created,
+        "model": call.model,
+        "choices": choices,
+        "usage": {
+            "prompt_tokens": call.prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": call.prompt_tokens + completion_tokens,
+        },
+    }
+
+
+async def _stream(call: _Call, top: int | None, include_usage: bool) -> AsyncIterator[bytes]:
+    """Headers go out only after the first output, so early failures keep their status."""
+    outputs = call.replica.run(call.group)
+    try:
+        first = await anext(outputs)
+    except StopAsyncIteration:
+        await outputs.aclose()
+        raise APIError(500, "the engine returned no output", code="engine_error") from None
+    except BaseException:
+        await outputs.aclose()
+        raise
+    return _events(call, outputs, first, top, include_usage)
+
+
+async def _events(
+    call: _Call,
+    outputs: AsyncIterator[tuple[int, RequestOutput]],
+    first: tuple[int, RequestOutput],
+    top: int | None,
+    include_usage: bool,
+) -> AsyncIterator[bytes]:
+    obj = "chat.completion.chunk" if call.chat else "text_completion"
+    head = {"id": call.response_id, "object": obj, "created": call.created, "model": call.model}
+    usage_field = {"usage": None} if include_usage else {}
+    sent_logprobs = [0] * len(call.group)
+    completion_tokens = [0] * len(call.group)
+
+    def chunk(i: int, out: RequestOutput) -> bytes:
+        c = out.outputs[0]
+        completion_tokens[i] = len(c.token_ids)
+        lp = None
+        if c.logprobs is not None:
+            entries = c.logprobs[sent_logprobs[i] :]
+            sent_logprobs[i] = len(c.logprobs)
+            lp = (
+                call.chat_logprobs(entries, top or 0)
+                if call.chat
+                else call.completion_logprobs(entries, 0)
+            )
+        reason = c.finish_reason if out.finished else None
+        if call.chat:
+            delta = {"content": c.delta_text} if c.delta_text or not out.finished else {}
+            choice = {"index": i, "delta": delta, "logprobs": lp, "finish_reason": reason}
+        else:
+            choice = {"index": i, "text": c.delta_text, "logprobs": lp, "finish_reason": reason}
+        if out.finished:
+            choice["stop_reason"] = c.stop_reason
+        return sse({**head, "choices": [choice], **usage_field})
+
+    try:
+        if call.chat:
+            for i in range(len(call.group)):
+                role = {"role": "assistant", "content": ""}
+                yield sse(
+                    {
+                        **head,
+                        "choices": [
+                            {"index": i, "delta": role, "logprobs": None, "finish_reason": None}
+                        ],
+                        **usage_field,
+                    }
+                )
+        yield chunk(*first)
+        async for i, out in outputs:
+            yield chunk(i, out)
+        if include_usage:
+            total = sum(completion_tokens)
+            usage = {
+                "prompt_tokens": call.prompt_tokens,
+                "completion_tokens": total,
+                "total_tokens": call.prompt_tokens + total,
+            }
+            yield sse({**head, "choices": [], "usage": usage})
+    except APIError as exc:  # after the first byte: say so in the stream, never just stop
+        yield sse(exc.body() | {"status_code": exc.status})
+    finally:
+        await outputs.aclose()  # type: ignore[attr-defined]
+    yield DONE
+
+
+async def _start(
+    replica: Replica,
+    prompts: list[str | list[int]],
+    samplings: list[SamplingParams],
+    priority: int,
+    deadline: float | None,
+    add_special_tokens: bool,
+) -> list[Prepared]:
+    replica.check_accepting()
+    group = replica.prepare(prompts, samplings, priority, deadline, add_special_tokens)
+    replica.admit(group, priority, deadline)
+    return group
+
+
+def _check_model(replica: Replica, model: str | None) -> str:
+    if model is not None and model != replica.model_name:
+        raise APIError(
+            404,
+            f"the model {model!r} does not exist; this server serves {replica.model_name!r}",
+            param="model",
+            code="model_not_found",
+        )
+    return replica.model_name
+
+
+def _prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise APIError(400, "prompt must not be empty", param="prompt")
+    if all(isinstance(p, int) for p in prompt):
+        return [list(prompt)]  # type: ignore[arg-type]
+    if all(isinstance(p, str) for p in prompt) or all(isinstance(p, list) for p in prompt):
+        return list(prompt)  # type: ignore[arg-type]
+    raise APIError(400, "prompt must be a string, strings, token ids or lists of them", "prompt")
+
+
+async def create_completion(
+    replica: Replica, body: CompletionRequest, headers: Mapping[str, str]
+) -> dict[str, Any] | AsyncIterator[bytes]:
+    model = _check_model(replica, body.model)
+    if body.suffix:
+        raise APIError(400, "suffix is not supported", param="suffix")
+    if body.best_of is not None and body.best_of != body.n:
+        raise APIError(400, "best_of different from n is not supported", param="best_of")
+    if body.echo and (body.stream or body.logprobs is not None):
+        raise APIError(400, "echo works only without stream and logprobs", param="echo")
+    prompts = _prompts(body.prompt)
+    expanded = [p for p in prompts for _ in range(body.n)]
+    samplings = [
+        _sampling(body, body.max_tokens, body.logprobs, j) for _ in prompts for j in range(body.n)
+    ]
+    priority = priority_from(body.priority, headers.get("x-priority"))
+    deadline = replica.deadline_from(headers.get("x-request-deadline-ms"))
+    group = await _start(replica, expanded, samplings, priority, deadline, True)
+    call = _Call(replica, group, body.n, False, new_id("cmpl"), now_s(), model)
+    if body.stream:
+        include = bool(body.stream_options and body.stream_options.include_usage)
+        return await _stream(call, body.logprobs, include)
+    tokenizer = replica.engine.engine.tokenizer
+    echo = [p if isinstance(p, str) else tokenizer.decode(p) for p in prompts] if body.echo else []
+    return await _collect(call, body.logprobs, echo)
+
+
+async def create_chat_completion(
+    replica: Replica, body: ChatCompletionRequest, headers: Mapping[str, str]
+) -> dict[str, Any] | AsyncIterator[bytes]:
+    model = _check_model(replica, body.model)
+    tokenizer = replica.engine.engine.tokenizer
+    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+    try:
+        prompt = tokenizer.apply_chat_template(messages, body.add_generation_prompt)
+    except InvalidRequestError as exc:
+        raise APIError(400, str(exc), param=exc.param) from exc
+    top = body.top_logprobs if body.logprobs else None
+    if body.top_logprobs is not None and not body.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
+    max_tokens = body.max_completion_tokens or body.max_tokens
+    samplings = [
+        _sampling(body, max_tokens, (top or 0) if body.logprobs else None, j) for j in range(body.n)
+    ]
+    priority = priority_from(body.priority, headers.get("x-priority"))
+    deadline = replica.deadline_from(headers.get("x-request-deadline-ms"))
+    # The template writes the special tokens itself.
+    group = await _start(replica, [prompt] * body.n, samplings, priority, deadline, False)
+    call = _Call(replica, group, body.n, True, new_id("chatcmpl"), now_s(), model)
+    if body.stream:
+        include = bool(body.stream_options and body.stream_options.include_usage)
+        return await _stream(call, top, include)
+    return await _collect(call, top, [])

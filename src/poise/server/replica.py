@@ -1,0 +1,348 @@
+"""One replica's serving state: admission, in-flight requests, health, drain.
+
+Everything between a validated HTTP request and the engine's output stream lives here, with no
+knowledge of the OpenAI wire format (``openai_api`` formats) or of the HTTP framework (``app``).
+Each engine request is tracked from admission to its end; on every path (finished, failed,
+shed, drained, client gone) the ``finally`` of its pump gives back its admission slot, and the
+engine frees its blocks because an abandoned stream aborts its request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from poise.config import ServerSettings
+from poise.engine.async_engine import AsyncEngine
+from poise.engine.errors import EngineDeadError, InvalidRequestError
+from poise.engine.faults import FaultInjector
+from poise.engine.outputs import RequestOutput
+from poise.engine.request import Request, SamplingParams
+from poise.protocol import APIError
+from poise.resilience.admission import AdmissionConfig, AdmissionController
+from poise.server.metrics import EngineSnapshot, ServerMetrics
+
+log = logging.getLogger("poise.server")
+
+PROBE_PRIORITY = -(2**31)
+DEADLINE_GRACE_S = 0.25
+
+
+class Phase(enum.Enum):
+    LOADING = "loading"
+    READY = "ready"
+    DRAINING = "draining"
+
+
+@dataclass(slots=True)
+class Prepared:
+    request: Request
+    text: str | None
+
+
+@dataclass(slots=True)
+class _InFlight:
+    key: str
+    prompt_tokens: int
+    arrival: float
+    first_token: float | None = None
+    last_token: float | None = None
+    override: APIError | None = None  # why we ended it ourselves (shed, drain)
+
+
+def _end_error(reason: str | None, detail: str | None, override: APIError | None) -> APIError:
+    if override is not None:
+        return override
+    if reason == "timeout":
+        return APIError(504, "the request's deadline passed before it completed", code="timeout")
+    if reason == "error":
+        return APIError(500, detail or "the engine failed on this request", code="engine_error")
+    return APIError(503, "the request was aborted by the server", code="aborted")
+
+
+class Replica:
+    def __init__(
+        self,
+        settings: ServerSettings,
+        engine: AsyncEngine,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.settings = settings
+        self.engine = engine
+        self.clock = clock
+        self.phase = Phase.LOADING
+        self.model_name = settings.model_name
+        self.admission = AdmissionController(
+            AdmissionConfig(
+                enabled=settings.admission_control,
+                max_waiting_requests=settings.max_waiting_requests,
+                max_waiting_tokens=settings.max_waiting_tokens,
+                max_queue_wait_s=settings.max_queue_wait_s,
+            ),
+            clock,
+        )
+        self.metrics = ServerMetrics(self.model_name, self.snapshot)
+        self.inflight: dict[str, _InFlight] = {}
+        self.faults: FaultInjector | None = None
+        if settings.enable_fault_injection:
+            self.faults = FaultInjector()
+            engine.engine.faults = self.faults
+
+    # ----- health -----
+    def health(self) -> tuple[bool, str]:
+        if not self.engine.is_alive:
+            return False, self.engine.dead_reason or "the engine loop is not running"
+        stalled = self.clock() - self.engine.last_progress
+        if stalled > self.settings.watchdog_stall_s:
+            return False, (
+                f"the engine loop has made no progress for {stalled:.1f}s "
+                f"(limit {self.settings.watchdog_stall_s:g}s)"
+            )
+        return True, "ok"
+
+    def readiness(self) -> tuple[bool, str]:
+        if self.phase is not Phase.READY:
+            return False, self.phase.value
+        ok, why = self.health()
+        if not ok:
+            return False, why
+        if self.admission.saturated:
+            return False, "saturated: the admission queue is full"
+        return True, "ok"
+
+    def snapshot(self) -> EngineSnapshot:
+        stats = self.engine.engine.stats()
+        kv = self.engine.engine.kv.stats
+        healthy, _ = self.health()
+        busy = self.engine.has_work
+        return EngineSnapshot(
+            running=stats.num_running,
+            waiting=stats.num_waiting,
+            kv_usage=stats.kv_usage,
+            preemptions=stats.num_preemptions,
+            prefix_queried_tokens=kv.queried_tokens,
+            prefix_hit_tokens=kv.hit_tokens,
+            step_errors=len(self.engine.engine.timing.failures),
+            seconds_since_progress=self.clock() - self.engine.last_progress if busy else 0.0,
+            healthy=healthy,
+            admission_waiting=len(self.admission.waiting),
+            admission_waiting_tokens=self.admission.waiting_tokens,
+            predicted_wait_s=self.admission.predicted_wait(0),
+        )
+
+    async def probe(self) -> tuple[bool, str]:
+        """A real one-token generation that does not queue behind user work."""
+        ok, why = self.health()
+        if not ok:
+            return False, why
+        timeout = self.settings.probe_timeout_s
+        t0 = self.clock()
+        try:
+            async with asyncio.timeout(timeout):
+                ids = self.engine.engine.tokenizer.encode("ok", add_special_tokens=False) or [0]
+                request, text = self.engine.prepare(
+                    ids,
+                    SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True),
+                    priority=PROBE_PRIORITY,
+                    deadline=t0 + timeout,
+                    is_probe=True,
+                )
+                async for out in self.engine.stream(request, text):
+                    if out.finished:
+                        reason = out.outputs[0].finish_reason
+                        if reason != "length":
+                            return False, f"probe generation ended as {reason}: {out.error}"
+        except TimeoutError:
+            return False, f"probe generation did not finish within {timeout:g}s"
+        except EngineDeadError as exc:
+            return False, str(exc)
+        return True, f"generated one token in {1000 * (self.clock() - t0):.0f} ms"
+
+    # ----- requests -----
+    def check_accepting(self) -> None:
+        if self.phase is Phase.DRAINING:
+            raise APIError(503, "the server is draining and takes no new requests", code="draining")
+        if self.phase is not Phase.READY:
+            raise APIError(503, "the model is still loading", code="loading")
+        ok, why = self.health()
+        if not ok:
+            raise APIError(503, f"the engine is unhealthy: {why}", code="unhealthy")
+
+    def deadline_from(self, header_ms: str | None) -> float | None:
+        if header_ms is not None:
+            try:
+                ms = float(header_ms)
+            except ValueError:
+                raise APIError(
+                    400,
+                    "X-Request-Deadline-Ms must be a number of milliseconds",
+                    param="X-Request-Deadline-Ms",
+                ) from None
+            if not ms > 0 or ms > 1e10:
+                raise APIError(
+                    400, "X-Request-Deadline-Ms must be positive", param="X-Request-Deadline-Ms"
+                )
+            return self.clock() + ms / 1000.0
+        if self.settings.default_timeout_s is not None:
+            return self.clock() + self.settings.default_timeout_s
+        return None
+
+    def prepare(
+        self,
+        prompts: list[str | list[int]],
+        samplings: list[SamplingParams],
+        priority: int,
+        deadline: float | None,
+        add_special_tokens: bool = True,
+    ) -> list[Prepared]:
+        """Validate and tokenize every engine request of one HTTP request; nothing is queued."""
+        out = []
+        try:
+            for prompt, sampling in zip(prompts, samplings, strict=True):
+                request, text = self.engine.prepare(
+                    prompt,
+                    sampling,
+                    priority=priority,
+                    deadline=deadline,
+                    add_special_tokens=add_special_tokens,
+                )
+                out.append(Prepared(request, text))
+        except InvalidRequestError as exc:
+            raise APIError(400, str(exc), param=exc.param) from exc
+        except EngineDeadError as exc:
+            raise APIError(503, str(exc), code="unhealthy") from exc
+        return out
+
+    def admit(self, group: list[Prepared], priority: int, deadline: float | None) -> None:
+        """Admit the whole group or raise 429; sheds lower-priority waiting work if it must."""
+        decision = self.admission.admit(
+            [p.request.request_id for p in group],
+            [p.request.num_prompt_tokens for p in group],
+            priority,
+            deadline,
+        )
+        if not decision.admitted:
+            reason = decision.reason or "overloaded"
+            self.metrics.reject(reason)
+            raise APIError(
+                429,
+                f"the server is overloaded ({reason}): predicted queueing time "
+                f"{decision.predicted_wait_s:.2f}s, {len(self.admission.waiting)} requests waiting",
+                code=reason,
+                headers={"Retry-After": str(int(decision.retry_after_s))},
+            )
+        for key in decision.shed:
+            self.metrics.reject("shed")
+            victim = self.inflight.get(key)
+            if victim is not None:
+                victim.override = APIError(
+                    429,
+                    "shed from the queue to make room for higher-priority work",
+                    code="shed",
+                    headers={"Retry-After": "1"},
+                )
+            self.engine.abort(key)
+
+    async def run(self, group: list[Prepared]) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Outputs of every request in the group as they come, tagged with their index.
+
+        Raises ``APIError`` as soon as any of them fails; leaving early aborts all of them.
+        """
+        results: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+        tasks = [asyncio.create_task(self._pump(i, p, results)) for i, p in enumerate(group)]
+        remaining = len(tasks)
+        try:
+            while remaining:
+                i, item = await results.get()
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield i, item
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _pump(
+        self,
+        index: int,
+        prepared: Prepared,
+        results: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]],
+    ) -> None:
+        request = prepared.request
+        key = request.request_id
+        tracked = _InFlight(key, request.num_prompt_tokens, self.clock())
+        self.inflight[key] = tracked
+        m, model = self.metrics, self.model_name
+        # The engine ends a late request at its next step; should the loop itself be stuck,
+        # the client is still told at its deadline (plus a grace of a few steps).
+        deadline = None if request.deadline is None else request.deadline + DEADLINE_GRACE_S
+        try:
+            async with asyncio.timeout_at(deadline):
+                async for out in self.engine.stream(request, prepared.text):
+                    now = self.clock()
+                    new = len(out.outputs[0].delta_token_ids)
+                    if new:
+                        if tracked.first_token is None:
+                            tracked.first_token = now
+                            self.admission.started(key)
+                            m.ttft.labels(model).observe(now - tracked.arrival)
+                        elif tracked.last_token is not None:
+                            m.itl.labels(model).observe((now - tracked.last_token) / new)
+                        tracked.last_token = now
+                        m.generation_tokens.labels(model).inc(new)
+                    if not out.finished:
+                        results.put_nowait((index, out))
+                        continue
+                    reason = out.outputs[0].finish_reason or "error"
+                    m.finished(reason, tracked.prompt_tokens)
+                    if reason in ("stop", "length") and tracked.override is None:
+                        m.e2e.labels(model).observe(now - tracked.arrival)
+                        results.put_nowait((index, out))
+                    else:
+                        results.put_nowait((index, _end_error(reason, out.error, tracked.override)))
+                    return
+        except asyncio.CancelledError:  # the client left: the stream's exit aborts it
+            m.finished("abort", tracked.prompt_tokens)
+            raise
+        except TimeoutError:
+            m.finished("timeout", tracked.prompt_tokens)
+            results.put_nowait((index, _end_error("timeout", None, tracked.override)))
+        except EngineDeadError as exc:
+            m.finished("error", tracked.prompt_tokens)
+            results.put_nowait((index, APIError(503, str(exc), code="unhealthy")))
+        except InvalidRequestError as exc:  # refused by the engine thread itself
+            results.put_nowait((index, APIError(400, str(exc), param=exc.param)))
+        finally:
+            self.admission.left(key)
+            self.inflight.pop(key, None)
+            results.put_nowait((index, None))
+
+    # ----- lifecycle -----
+    async def drain(self, timeout_s: float) -> int:
+        """Stop taking work, let in-flight requests finish, end the rest. Returns how many."""
+        self.phase = Phase.DRAINING
+        log.info("draining: %d requests in flight, up to %.1fs", len(self.inflight), timeout_s)
+        end = self.clock() + timeout_s
+        while self.inflight and self.clock() < end:
+            await asyncio.sleep(0.05)
+        cut = list(self.inflight.values())
+        for tracked in cut:
+            tracked.override = APIError(
+                503,
+                f"the server shut down before this request finished (drain timeout {timeout_s:g}s)",
+                code="shutdown",
+            )
+            self.engine.abort(tracked.key)
+        end = self.clock() + 5.0
+        while self.inflight and self.clock() < end:
+            await asyncio.sleep(0.02)
+        if cut:
+            log.warning("drain timeout: ended %d unfinished requests with an error", len(cut))
+        return len(cut)

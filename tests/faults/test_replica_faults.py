@@ -1,0 +1,241 @@
+"""Faults against a real replica process: disconnects, floods, deadlines, stalls, failing steps,
+a dying engine, SIGTERM. Each asserts what a client or an operator would see."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+LONG = {"prompt": "The for statement", "max_tokens": 200, "ignore_eos": True, "temperature": 0}
+
+
+def post(server, body: dict, timeout: float = 60, **headers: str) -> httpx.Response:
+    return httpx.post(server.url + "/v1/completions", json=body, headers=headers, timeout=timeout)
+
+
+def sse_events(response: httpx.Response) -> list[str]:
+    return [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+
+
+def wait_until(predicate, timeout: float = 10.0) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return predicate()
+
+
+def test_disconnect_mid_stream_frees_blocks(start_server):
+    server = start_server()
+    server.faults(step_delay_s=0.05)
+    with httpx.stream(
+        "POST", server.url + "/v1/completions", json={**LONG, "stream": True}, timeout=30
+    ) as r:
+        lines = r.iter_lines()
+        got = [next(lines) for _ in range(4)]
+        assert any(line.startswith("data: ") for line in got)
+        assert server.metric("vllm:num_requests_running") == 1
+        assert server.metric("vllm:kv_cache_usage_perc") > 0
+    assert server.wait_metric("vllm:num_requests_running", 0, timeout=3) == 0
+    assert server.wait_metric("vllm:kv_cache_usage_perc", 0, timeout=3) == 0
+    assert server.metric('poise_requests_finished_total{model_name="m",outcome="abort"}') == 1
+
+
+def test_disconnect_mid_non_stream_frees_blocks(start_server):
+    server = start_server()
+    server.faults(step_delay_s=0.05)
+    with pytest.raises(httpx.ReadTimeout):
+        post(server, LONG, timeout=1.0)
+    assert server.wait_metric("vllm:num_requests_running", 0, timeout=3) == 0
+    assert server.wait_metric("vllm:kv_cache_usage_perc", 0, timeout=3) == 0
+    assert server.metric('poise_requests_finished_total{model_name="m",outcome="abort"}') == 1
+
+
+def test_queue_bound_refuses_with_retry_after_while_admitted_complete(start_server):
+    server = start_server("--max-num-seqs", "1", "--max-waiting-requests", "2")
+    server.faults(step_delay_s=0.02)
+    body = {"prompt": "hello", "max_tokens": 20, "ignore_eos": True}
+    with ThreadPoolExecutor(8) as pool:
+        responses = list(pool.map(lambda _: post(server, body), range(8)))
+    ok = [r for r in responses if r.status_code == 200]
+    refused = [r for r in responses if r.status_code == 429]
+    assert len(ok) + len(refused) == 8
+    assert len(ok) >= 2 and refused  # one running (until its first token) + two waiting
+    assert all(r.json()["usage"]["completion_tokens"] == 20 for r in ok)
+    for r in refused:
+        assert int(r.headers["retry-after"]) >= 1
+        assert r.json()["error"]["type"] == "rate_limit_error"
+    rejected = 'poise_requests_rejected_total{model_name="m",reason="queue_full"}'
+    assert server.metric(rejected) == len(refused)
+
+
+def test_deadline_expiry_is_504_and_frees_blocks(start_server):
+    server = start_server()
+    server.faults(step_delay_s=0.05)
+    r = post(server, LONG, **{"X-Request-Deadline-Ms": "400"})
+    assert r.status_code == 504 and r.json()["error"]["code"] == "timeout"
+    with httpx.stream(
+        "POST",
+        server.url + "/v1/completions",
+        json={**LONG, "stream": True},
+        headers={"X-Request-Deadline-Ms": "600"},
+        timeout=30,
+    ) as s:
+        assert s.status_code == 200  # the first token came in time
+        events = sse_events(s)
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert error["code"] == "timeout"
+    assert server.wait_metric("vllm:kv_cache_usage_perc", 0, timeout=3) == 0
+    assert server.metric('poise_requests_finished_total{model_name="m",outcome="timeout"}') == 2
+
+
+def test_slo_aware_admission_refuses_what_cannot_start_in_time(start_server):
+    server = start_server("--max-num-seqs", "1")
+    server.faults(step_delay_s=0.05)
+    body = {"prompt": "hello", "max_tokens": 10, "ignore_eos": True}
+    with ThreadPoolExecutor(6) as pool:  # teach it the start rate: about one per 0.5 s
+        list(pool.map(lambda _: post(server, body), range(6)))
+    with ThreadPoolExecutor(6) as pool:
+        backlog = [pool.submit(post, server, body) for _ in range(5)]
+        time.sleep(0.3)
+        r = post(server, body, **{"X-Request-Deadline-Ms": "500"})
+        assert r.status_code == 429 and r.json()["error"]["code"] == "deadline"
+        assert int(r.headers["retry-after"]) >= 1
+        assert all(f.result().status_code == 200 for f in backlog)
+
+
+def test_stalled_engine_fails_health_then_recovers(start_server):
+    server = start_server("--watchdog-stall-s", "1")
+    server.faults(stall_s=4)
+    with ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(post, server, {"prompt": "x", "max_tokens": 3})
+        t0 = time.monotonic()
+        assert wait_until(lambda: httpx.get(server.url + "/health").status_code == 503, timeout=3)
+        assert time.monotonic() - t0 < 3
+        health = httpx.get(server.url + "/health").json()
+        assert "no progress" in health["reason"]
+        assert httpx.get(server.url + "/ready").status_code == 503
+        assert pending.result().status_code == 200  # it completes once the stall ends
+    assert wait_until(lambda: httpx.get(server.url + "/health").status_code == 200)
+
+
+def test_failed_step_errors_its_requests_and_the_next_succeed(start_server):
+    server = start_server()
+    server.faults(fail_steps=1)
+    r = post(server, {"prompt": "x", "max_tokens": 3})
+    assert r.status_code == 500 and "injected step failure" in r.json()["error"]["message"]
+    assert post(server, {"prompt": "x", "max_tokens": 3}).status_code == 200
+    server.faults(step_delay_s=0.05)
+    with httpx.stream(
+        "POST", server.url + "/v1/completions", json={**LONG, "stream": True}, timeout=30
+    ) as s:
+        lines = s.iter_lines()
+        next(lines)
+        server.faults(fail_steps=1)
+        events = [line[6:] for line in lines if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    assert "injected step failure" in json.loads(events[-2])["error"]["message"]
+    assert server.metric("poise_engine_step_errors_total") == 2
+    assert server.wait_metric("vllm:kv_cache_usage_perc", 0) == 0
+
+
+def test_priority_sheds_the_lowest_waiting_first(start_server):
+    server = start_server("--max-num-seqs", "1", "--max-waiting-requests", "1")
+    server.faults(step_delay_s=0.05)
+    body = {"prompt": "hello", "max_tokens": 20, "ignore_eos": True}
+    with ThreadPoolExecutor(3) as pool:
+        running = pool.submit(post, server, body)
+        assert wait_until(lambda: server.metric("vllm:num_requests_running") == 1)
+        low = pool.submit(post, server, {**body, "priority": 10})
+        assert wait_until(lambda: server.metric("poise_admission_waiting_requests") == 1)
+        high = post(server, body, **{"X-Priority": "0"})
+        assert high.status_code == 200
+        assert low.result().status_code == 429
+        assert low.result().json()["error"]["code"] == "shed"
+        assert running.result().status_code == 200
+
+
+def test_generation_probe_does_not_queue_behind_user_work(start_server):
+    server = start_server("--max-num-seqs", "1")
+    server.faults(step_delay_s=0.05)
+    body = {"prompt": "hello", "max_tokens": 60, "ignore_eos": True}
+    with ThreadPoolExecutor(3) as pool:
+        work = [pool.submit(post, server, body) for _ in range(3)]
+        assert wait_until(lambda: server.metric("vllm:num_requests_waiting") >= 1)
+        t0 = time.monotonic()
+        probe = httpx.get(server.url + "/health", params={"probe": "generate"}, timeout=10)
+        assert probe.status_code == 200, probe.text
+        assert time.monotonic() - t0 < 2.0  # one user request alone takes 3 s
+        assert all(f.result().status_code == 200 for f in work)
+
+
+def test_sigterm_drains_in_flight_refuses_new_and_exits_0(start_server):
+    server = start_server("--drain-timeout", "30")
+    server.faults(step_delay_s=0.04)
+    body = {"prompt": "hello", "max_tokens": 40, "ignore_eos": True}
+    with ThreadPoolExecutor(3) as pool:
+        inflight = [pool.submit(post, server, body) for _ in range(3)]
+        assert wait_until(lambda: server.metric("vllm:num_requests_running") == 3)
+        server.terminate()
+        assert wait_until(lambda: httpx.get(server.url + "/ready").status_code == 503, 3)
+        late = post(server, body)
+        assert late.status_code == 503 and late.json()["error"]["code"] == "draining"
+        results = [f.result() for f in inflight]
+    assert all(r.status_code == 200 for r in results)
+    assert all(r.json()["usage"]["completion_tokens"] == 40 for r in results)
+    assert server.proc.wait(30) == 0
+
+
+def test_drain_timeout_ends_the_rest_with_an_explicit_error(start_server):
+    server = start_server("--drain-timeout", "0.5")
+    server.faults(step_delay_s=0.05)
+    with ThreadPoolExecutor(2) as pool:
+        plain = pool.submit(post, server, LONG)
+
+        def streamed() -> list[str]:
+            with httpx.stream(
+                "POST", server.url + "/v1/completions", json={**LONG, "stream": True}, timeout=30
+            ) as s:
+                return sse_events(s)
+
+        stream = pool.submit(streamed)
+        assert wait_until(lambda: server.metric("vllm:num_requests_running") == 2)
+        time.sleep(0.3)
+        server.terminate()
+        r = plain.result()
+        events = stream.result()
+    assert r.status_code == 503 and r.json()["error"]["code"] == "shutdown"
+    assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == "shutdown"
+    assert server.proc.wait(30) == 0
+
+
+def test_engine_death_fails_health_and_exits_nonzero(start_server):
+    server = start_server()
+    server.faults(kill_loop=True)
+    r = post(server, {"prompt": "x", "max_tokens": 3})
+    assert r.status_code == 503
+    seen_unhealthy = threading.Event()
+    try:
+        if httpx.get(server.url + "/health", timeout=2).status_code == 503:
+            seen_unhealthy.set()
+    except httpx.HTTPError:
+        pass
+    assert server.proc.wait(30) == 1
+    assert seen_unhealthy.is_set() or "engine loop died" in server.log()
+
+
+def test_api_keys(start_server):
+    server = start_server("--api-key", "k1", "--api-key", "k2")
+    body = {"prompt": "x", "max_tokens": 2}
+    assert post(server, body).status_code == 401
+    wrong = post(server, body, Authorization="Bearer nope")
+    assert wrong.status_code == 401 and wrong.json()["error"]["type"] == "authentication_error"
+    assert post(server, body, Authorization="Bearer k2").status_code == 200
+    assert httpx.get(server.url + "/health").status_code == 200

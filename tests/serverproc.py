@@ -1,0 +1,96 @@
+"""Start ``poise serve`` as a real process on loopback, wait until ready, stop it by pid."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    def __init__(self, model: Path, log_dir: Path, *flags: str, ready: bool = True) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_dir / f"serve-{self.port}.log"
+        self._log = self.log_path.open("wb")
+        cmd = [
+            sys.executable,
+            "-m",
+            "poise.cli",
+            "serve",
+            "--model",
+            str(model),
+            "--port",
+            str(self.port),
+            "--served-model-name",
+            "m",
+            *flags,
+        ]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("POISE_")}
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        if ready:
+            self.wait_ready()
+
+    def wait_ready(self, timeout: float = 120.0) -> None:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(self.url + "/ready", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        raise TimeoutError(f"server not ready after {timeout}s:\n{self.log()}")
+
+    def log(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")[-5000:]
+
+    def metric(self, name: str) -> float:
+        text = httpx.get(self.url + "/metrics", timeout=5).text
+        m = re.search(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.MULTILINE)
+        if m is None:
+            raise KeyError(name)
+        return float(m.group(1))
+
+    def wait_metric(self, name: str, value: float, timeout: float = 10.0) -> float:
+        end = time.monotonic() + timeout
+        seen = self.metric(name)
+        while seen != value and time.monotonic() < end:
+            time.sleep(0.05)
+            seen = self.metric(name)
+        return seen
+
+    def faults(self, **settings: object) -> None:
+        r = httpx.post(self.url + "/admin/faults", json=settings, timeout=5)
+        r.raise_for_status()
+
+    def terminate(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self._log.close()
+        return self.proc.returncode

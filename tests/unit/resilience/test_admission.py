@@ -1,0 +1,131 @@
+"""The admission policy on a fake clock: bounds, predicted waits, deadlines, shedding."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from poise.resilience.admission import AdmissionConfig, AdmissionController
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make(**config) -> tuple[AdmissionController, Clock]:
+    clock = Clock()
+    return AdmissionController(AdmissionConfig(**config), clock), clock
+
+
+def test_bounds_on_count_and_tokens():
+    ac, _ = make(max_waiting_requests=2, max_waiting_tokens=100)
+    assert ac.admit(["a"], [10]).admitted
+    assert ac.admit(["b"], [10]).admitted
+    refused = ac.admit(["c"], [10])
+    assert not refused.admitted and refused.reason == "queue_full"
+    assert refused.retry_after_s >= 1
+    ac.started("a")
+    big = ac.admit(["d"], [95])
+    assert not big.admitted and big.reason == "queue_tokens_full"
+    assert ac.admit(["e"], [90]).admitted
+    assert ac.saturated
+
+
+def test_a_group_is_admitted_whole_or_not_at_all():
+    ac, _ = make(max_waiting_requests=3)
+    assert ac.admit(["a", "b"], [1, 1]).admitted
+    assert not ac.admit(["c", "d"], [1, 1]).admitted
+    assert set(ac.waiting) == {"a", "b"}
+
+
+def test_start_rate_predicts_the_wait_and_idle_time_is_not_counted():
+    ac, clock = make()
+    ac.admit(["a", "b", "c"], [1, 1, 1])
+    for key in "abc":
+        clock.now += 0.5
+        ac.started(key)
+    clock.now += 1000  # idle: must not make the service look slow
+    ac.admit(["d", "e"], [1, 1])
+    clock.now += 0.5
+    ac.started("d")
+    assert ac.mean_start_interval_s == pytest.approx(0.5)
+    # e is waiting; a newcomer of the same priority has one ahead of it.
+    assert ac.predicted_wait(0) == pytest.approx(0.5)
+
+
+def test_deadline_that_cannot_be_met_is_refused_with_the_wait_as_retry_after():
+    ac, clock = make()
+    ac.admit([f"r{i}" for i in range(3)], [1] * 3)
+    clock.now += 2.0
+    ac.started("r0")  # one start per 2 s, two still waiting: predicted wait 4 s
+    d = ac.admit(["late"], [1], deadline=clock.now + 3.0)
+    assert not d.admitted and d.reason == "deadline"
+    assert d.retry_after_s == pytest.approx(4.0)
+    assert ac.admit(["ok"], [1], deadline=clock.now + 10.0).admitted
+
+
+def test_higher_priority_is_queued_ahead_and_sheds_lower_priority_work():
+    ac, clock = make(max_waiting_requests=2)
+    ac.admit(["low1"], [1], priority=5)
+    clock.now += 1
+    ac.admit(["low2"], [1], priority=5)
+    assert ac.predicted_wait(0) == 0.0  # nobody of priority <= 0 is ahead
+    d = ac.admit(["high"], [1], priority=0)
+    assert d.admitted and d.shed == ("low2",)  # the newest of the lowest goes first
+    equal = ac.admit(["also-low"], [1], priority=5)
+    assert not equal.admitted and equal.shed == ()
+
+
+def test_a_stalled_queue_stops_admitting_deadline_work():
+    ac, clock = make()
+    ac.admit(["a", "b"], [1, 1])
+    clock.now += 0.1
+    ac.started("a")  # fast so far
+    clock.now += 30  # then nothing starts for 30 s
+    assert ac.predicted_wait(0) >= 30
+    assert not ac.admit(["c"], [1], deadline=clock.now + 5).admitted
+
+
+def test_disabled_admits_everything():
+    ac, _ = make(enabled=False, max_waiting_requests=1)
+    assert all(ac.admit([str(i)], [1]).admitted for i in range(5))
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["admit", "start", "leave", "tick"]),
+            st.integers(0, 30),
+            st.integers(-2, 2),
+            st.integers(1, 50),
+        ),
+        max_size=80,
+    )
+)
+def test_bounds_and_token_accounting_always_hold(ops):
+    ac, clock = make(max_waiting_requests=5, max_waiting_tokens=120)
+    live: set[str] = set()
+    for i, (op, pick, priority, tokens) in enumerate(ops):
+        if op == "admit":
+            d = ac.admit([f"k{i}"], [tokens], priority=priority)
+            live -= set(d.shed)
+            if d.admitted:
+                live.add(f"k{i}")
+            else:
+                assert d.retry_after_s >= 1 and not d.shed
+        elif op in ("start", "leave") and live:
+            key = sorted(live)[pick % len(live)]
+            (ac.started if op == "start" else ac.left)(key)
+            live.discard(key)
+        else:
+            clock.now += pick / 10
+        assert set(ac.waiting) == live
+        assert ac.waiting_tokens == sum(t.prompt_tokens for t in ac.waiting.values())
+        assert len(ac.waiting) <= 5 and ac.waiting_tokens <= 120
+        assert ac.predicted_wait(0) >= 0
