@@ -73,11 +73,15 @@ def model_flops(llm: LLM, w: Workload) -> float:
     """Matrix-multiply FLOPs poise must do for W1: weights per token, lm_head per sampled
     token, attention (QK and PV) per token over its context."""
     c = llm.engine.model.config
-    per_token = 2 * (
-        c.hidden_size * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
-        + c.num_heads * c.head_dim * c.hidden_size
-        + 3 * c.hidden_size * c.intermediate_size
-    ) * c.num_layers
+    per_token = (
+        2
+        * (
+            c.hidden_size * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+            + c.num_heads * c.head_dim * c.hidden_size
+            + 3 * c.hidden_size * c.intermediate_size
+        )
+        * c.num_layers
+    )
     flops = 0.0
     for prompt, out in zip(w.prompts, w.output_lens, strict=True):
         total = len(prompt) + out
@@ -121,8 +125,13 @@ def run_poise(model_dir: Path, dtype: str, w: Workload, kv_bytes: int) -> PoiseR
     seconds = time.perf_counter() - t0
     peak = max(range(len(usages)), key=usages.__getitem__)
     return PoiseResult(
-        seconds, produced, usages[peak], statistics.fmean(usages), fills[peak],
-        engine.scheduler.num_preemptions_total, steps,
+        seconds,
+        produced,
+        usages[peak],
+        statistics.fmean(usages),
+        fills[peak],
+        engine.scheduler.num_preemptions_total,
+        steps,
     )
 
 
@@ -130,8 +139,9 @@ def run_transformers(model_dir: Path, dtype: torch.dtype, w: Workload, batch: in
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
-    model.generate(torch.tensor([w.prompts[0][:32]]), max_new_tokens=4, do_sample=False,
-                   pad_token_id=0)
+    model.generate(
+        torch.tensor([w.prompts[0][:32]]), max_new_tokens=4, do_sample=False, pad_token_id=0
+    )
     t0 = time.perf_counter()
     for start in range(0, len(w.prompts), batch):
         prompts = w.prompts[start : start + batch]
@@ -143,8 +153,14 @@ def run_transformers(model_dir: Path, dtype: torch.dtype, w: Workload, batch: in
             ids[i, width - len(p) :] = torch.tensor(p)
             mask[i, width - len(p) :] = 1
         with torch.inference_mode():
-            model.generate(ids, attention_mask=mask, max_new_tokens=longest_out,
-                           min_new_tokens=longest_out, do_sample=False, pad_token_id=0)
+            model.generate(
+                ids,
+                attention_mask=mask,
+                max_new_tokens=longest_out,
+                min_new_tokens=longest_out,
+                do_sample=False,
+                pad_token_id=0,
+            )
     return time.perf_counter() - t0
 
 
@@ -165,9 +181,11 @@ def main() -> None:
         make_model(args.model, "llama", "w0")
     vocab = json.loads((args.model / "config.json").read_text())["vocab_size"]
     w = workload_w1(vocab, n=args.requests)
-    print(f"W1: {len(w.prompts)} requests, {w.prompt_tokens} prompt tokens, "
-          f"{w.output_tokens} output tokens; torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads")
+    print(
+        f"W1: {len(w.prompts)} requests, {w.prompt_tokens} prompt tokens, "
+        f"{w.output_tokens} output tokens; torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads"
+    )
     results = {}
     for dtype in args.dtypes:
         tdtype = getattr(torch, dtype)
@@ -185,21 +203,27 @@ def main() -> None:
         hf_s = statistics.median(hf_runs) if hf_runs else None
         total = w.prompt_tokens + w.output_tokens
         rows = [("poise", p.seconds), *([] if hf_s is None else [("transformers", hf_s)])]
-        print(f"\n{dtype}: poise runs {[round(r.seconds, 1) for r in poise_runs]} s, "
-              f"transformers runs {[round(x, 1) for x in hf_runs]} s")
+        print(
+            f"\n{dtype}: poise runs {[round(r.seconds, 1) for r in poise_runs]} s, "
+            f"transformers runs {[round(x, 1) for x in hf_runs]} s"
+        )
         print(f"{dtype}, medians of {args.repeat}  (matmul peak measured: {peak:.0f} GFLOP/s)")
         print(f"{'system':<14}{'seconds':>9}{'output tok/s':>14}{'total tok/s':>13}")
         for name, secs in rows:
             print(f"{name:<14}{secs:>9.1f}{w.output_tokens / secs:>14.1f}{total / secs:>13.1f}")
         if hf_s is not None:
             print(f"{'ratio':<14}{'':>9}{hf_s / p.seconds:>13.2f}x{hf_s / p.seconds:>12.2f}x")
-        print(f"poise KV cache: peak {p.kv_peak_usage:.1%} of the pool held, mean "
-              f"{p.kv_mean_usage:.1%}; {p.slot_fill:.1%} of held slots filled at the peak; "
-              f"{p.preemptions} preemptions over {p.steps} steps")
+        print(
+            f"poise KV cache: peak {p.kv_peak_usage:.1%} of the pool held, mean "
+            f"{p.kv_mean_usage:.1%}; {p.slot_fill:.1%} of held slots filled at the peak; "
+            f"{p.preemptions} preemptions over {p.steps} steps"
+        )
         print(f"poise matmul work: {achieved:.0f} GFLOP/s = {achieved / peak:.1%} of peak")
         results[dtype] = {
-            "poise": asdict(p), "poise_runs_seconds": [r.seconds for r in poise_runs],
-            "transformers_seconds": hf_s, "transformers_runs_seconds": hf_runs,
+            "poise": asdict(p),
+            "poise_runs_seconds": [r.seconds for r in poise_runs],
+            "transformers_seconds": hf_s,
+            "transformers_runs_seconds": hf_runs,
             "matmul_peak_gflops": peak,
             "poise_gflops": achieved,
             "ratio": None if hf_s is None else hf_s / p.seconds,

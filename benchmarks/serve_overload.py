@@ -22,7 +22,6 @@ import os
 import random
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import time
@@ -48,9 +47,12 @@ class Result:
     @property
     def good(self) -> bool:
         return (
-            self.status == 200 and self.error is None
-            and self.ttft_s is not None and self.ttft_s <= TTFT_SLO_S
-            and self.tpot_s is not None and self.tpot_s <= TPOT_SLO_S
+            self.status == 200
+            and self.error is None
+            and self.ttft_s is not None
+            and self.ttft_s <= TTFT_SLO_S
+            and self.tpot_s is not None
+            and self.tpot_s <= TPOT_SLO_S
         )
 
 
@@ -80,7 +82,10 @@ def pct(values: list[float], q: float) -> float | None:
 
 async def one_request(client: httpx.AsyncClient, url: str, prompt: list[int]) -> Result:
     body = {
-        "prompt": prompt, "max_tokens": OUTPUT_TOKENS, "ignore_eos": True, "stream": True,
+        "prompt": prompt,
+        "max_tokens": OUTPUT_TOKENS,
+        "ignore_eos": True,
+        "stream": True,
         "temperature": 0,
     }
     t0 = time.perf_counter()
@@ -117,8 +122,9 @@ async def probe_loop(url: str, stop: asyncio.Event, out: dict[str, list[float]])
             await asyncio.sleep(0.1)
 
 
-async def run_load(url: str, label: str, rate: float, duration: float, seed: int,
-                   probe: bool) -> RunReport:
+async def run_load(
+    url: str, label: str, rate: float, duration: float, seed: int, probe: bool
+) -> RunReport:
     rng = random.Random(seed)
     limits = httpx.Limits(max_connections=2000, max_keepalive_connections=2000)
     probes: dict[str, list[float]] = {}
@@ -169,8 +175,19 @@ class Replica:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "poise.cli", "serve", "--model", model,
-               "--port", str(self.port), "--log-level", "warning", *flags]
+        cmd = [
+            sys.executable,
+            "-m",
+            "poise.cli",
+            "serve",
+            "--model",
+            model,
+            "--port",
+            str(self.port),
+            "--log-level",
+            "warning",
+            *flags,
+        ]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=sys.stderr)
         end = time.monotonic() + 300
         while time.monotonic() < end:
@@ -200,17 +217,23 @@ def fmt(v: float | None, scale: float = 1.0, digits: int = 2) -> str:
 
 
 def print_table(capacity: float, peak: float, runs: list[RunReport]) -> None:
-    print(f"\ncapacity: {capacity:.2f} req/s offered -> peak goodput {peak:.2f} req/s "
-          f"(TTFT <= {TTFT_SLO_S:g}s, TPOT <= {1000 * TPOT_SLO_S:g}ms, "
-          f"{PROMPT_TOKENS}-token prompts, {OUTPUT_TOKENS}-token outputs)")
-    head = (f"{'run':<18}{'offered/s':>10}{'goodput/s':>10}{'of peak':>9}{'attain':>8}"
-            f"{'rejected':>9}{'failed':>7}{'TTFT p50':>9}{'TTFT p99':>9}{'reject p99':>11}")
+    print(
+        f"\ncapacity: {capacity:.2f} req/s offered -> peak goodput {peak:.2f} req/s "
+        f"(TTFT <= {TTFT_SLO_S:g}s, TPOT <= {1000 * TPOT_SLO_S:g}ms, "
+        f"{PROMPT_TOKENS}-token prompts, {OUTPUT_TOKENS}-token outputs)"
+    )
+    head = (
+        f"{'run':<18}{'offered/s':>10}{'goodput/s':>10}{'of peak':>9}{'attain':>8}"
+        f"{'rejected':>9}{'failed':>7}{'TTFT p50':>9}{'TTFT p99':>9}{'reject p99':>11}"
+    )
     print(head)
     for r in runs:
-        print(f"{r.label:<18}{r.offered_rps:>10.2f}{r.goodput_rps:>10.2f}"
-              f"{100 * r.goodput_rps / peak:>8.0f}%{100 * r.attainment:>7.1f}%"
-              f"{100 * r.rejected_share:>8.1f}%{r.failed:>7}{fmt(r.ttft_p50_s):>8}s"
-              f"{fmt(r.ttft_p99_s):>8}s{fmt(r.reject_p99_ms, 1, 1):>9}ms")
+        print(
+            f"{r.label:<18}{r.offered_rps:>10.2f}{r.goodput_rps:>10.2f}"
+            f"{100 * r.goodput_rps / peak:>8.0f}%{100 * r.attainment:>7.1f}%"
+            f"{100 * r.rejected_share:>8.1f}%{r.failed:>7}{fmt(r.ttft_p50_s):>8}s"
+            f"{fmt(r.ttft_p99_s):>8}s{fmt(r.reject_p99_ms, 1, 1):>9}ms"
+        )
     print("\nprobe latency p99 while loaded (ms):")
     for r in runs:
         if r.probe_p99_ms:
@@ -226,8 +249,12 @@ def main() -> int:
     ap.add_argument("--sweep-duration", type=float, default=20.0)
     ap.add_argument("--rates", default="1,2,3,4,5,6,8", help="capacity sweep, req/s")
     ap.add_argument("--capacity", type=float, help="skip the sweep and use this rate")
-    ap.add_argument("--max-queue-wait-s", type=float, default=0.5,
-                    help="the admission budget for queueing (part of the 1 s TTFT)")
+    ap.add_argument(
+        "--max-queue-wait-s",
+        type=float,
+        default=0.5,
+        help="the admission budget for queueing (part of the 1 s TTFT)",
+    )
     ap.add_argument("--engine-flags", default="--max-num-seqs 32 --max-num-batched-tokens 512")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
@@ -245,11 +272,17 @@ def main() -> int:
         try:
             asyncio.run(run_load(replica.url, "warmup", 1.0, 5.0, 99, False))
             for i, rate in enumerate(float(r) for r in args.rates.split(",")):
-                rep = asyncio.run(run_load(replica.url, f"sweep {rate:g}/s", rate,
-                                           args.sweep_duration, 100 + i, False))
+                rep = asyncio.run(
+                    run_load(
+                        replica.url, f"sweep {rate:g}/s", rate, args.sweep_duration, 100 + i, False
+                    )
+                )
                 sweep.append(rep)
-                print(f"sweep {rate:5.2f}/s: goodput {rep.goodput_rps:.2f}/s, attainment "
-                      f"{100 * rep.attainment:.1f}%, TTFT p99 {fmt(rep.ttft_p99_s)}s", flush=True)
+                print(
+                    f"sweep {rate:5.2f}/s: goodput {rep.goodput_rps:.2f}/s, attainment "
+                    f"{100 * rep.attainment:.1f}%, TTFT p99 {fmt(rep.ttft_p99_s)}s",
+                    flush=True,
+                )
                 if rep.attainment < 0.5:
                     break
         finally:
@@ -265,19 +298,37 @@ def main() -> int:
         try:
             asyncio.run(run_load(replica.url, "warmup", 1.0, 5.0, 98, False))
             for mult in (1, 2, 3):
-                rep = asyncio.run(run_load(replica.url, f"{mode} {mult}x", capacity * mult,
-                                           args.duration, 200 + mult, True))
+                rep = asyncio.run(
+                    run_load(
+                        replica.url,
+                        f"{mode} {mult}x",
+                        capacity * mult,
+                        args.duration,
+                        200 + mult,
+                        True,
+                    )
+                )
                 runs.append(rep)
-                print(f"{rep.label}: goodput {rep.goodput_rps:.2f}/s, attainment "
-                      f"{100 * rep.attainment:.1f}%, rejected {100 * rep.rejected_share:.1f}%",
-                      flush=True)
+                print(
+                    f"{rep.label}: goodput {rep.goodput_rps:.2f}/s, attainment "
+                    f"{100 * rep.attainment:.1f}%, rejected {100 * rep.rejected_share:.1f}%",
+                    flush=True,
+                )
         finally:
             replica.stop()
     print_table(capacity, peak, runs)
     if args.json:
-        args.json.write_text(json.dumps(
-            {"capacity_rps": capacity, "peak_goodput_rps": peak,
-             "sweep": [asdict(r) for r in sweep], "runs": [asdict(r) for r in runs]}, indent=2))
+        args.json.write_text(
+            json.dumps(
+                {
+                    "capacity_rps": capacity,
+                    "peak_goodput_rps": peak,
+                    "sweep": [asdict(r) for r in sweep],
+                    "runs": [asdict(r) for r in runs],
+                },
+                indent=2,
+            )
+        )
     return 0
 
 
