@@ -50,6 +50,9 @@ class IllegalTransitionError(RuntimeError):
     """A bug: the engine tried to move a request along an edge the state machine lacks."""
 
 
+GREEDY_TEMPERATURE = 1e-5
+
+
 @dataclass(slots=True)
 class SamplingParams:
     """How to pick each next token and when to stop; the same names as vLLM's."""
@@ -106,7 +109,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        # As vLLM: a temperature this small is argmax in all but name, and dividing
+        # logits by a denormal such as 5e-324 would overflow them to inf.
+        return self.temperature < GREEDY_TEMPERATURE
 
 
 @dataclass(slots=True)
