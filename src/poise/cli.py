@@ -92,6 +92,7 @@ def _add_serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int)
     p.add_argument("--max-num-batched-tokens", type=int)
     p.add_argument("--max-model-len", type=int)
+    p.add_argument("--engine-niceness", type=int, help="nice value added to engine threads")
     p.add_argument("--max-waiting-requests", type=int)
     p.add_argument("--max-waiting-tokens", type=int)
     p.add_argument("--max-queue-wait-s", type=float, help="refuse what would queue longer")

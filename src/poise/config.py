@@ -43,6 +43,8 @@ class ServerSettings(BaseModel):
     enable_prefix_caching: bool = True
     native_kernels: bool = True
     seed: int = 0
+    # Added to the engine threads' nice value so the HTTP loop preempts them (0: off).
+    engine_niceness: int = Field(default=10, ge=0, le=19)
 
     # admission and deadlines
     admission_control: bool = True

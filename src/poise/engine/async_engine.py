@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import queue
 import threading
 import time
@@ -32,7 +33,7 @@ class _Stream:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, idle_wait_s: float = 0.05) -> None:
+    def __init__(self, engine: LLMEngine, idle_wait_s: float = 0.05, niceness: int = 0) -> None:
         self.engine = engine
         self._commands: queue.SimpleQueue[tuple[str, Request | str, str | None]] = (
             queue.SimpleQueue()
@@ -43,6 +44,7 @@ class AsyncEngine:
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._idle_wait_s = idle_wait_s
+        self.niceness = niceness
         self.dead_reason: str | None = None
         self._last_turn = time.monotonic()  # every loop turn, idle or not; for a watchdog
 
@@ -166,6 +168,8 @@ class AsyncEngine:
                 self.engine.abort_request(payload)
 
     def _loop(self) -> None:
+        if self.niceness:
+            lower_thread_priority(self.niceness)
         try:
             while not self._stop.is_set():
                 self._last_turn = time.monotonic()
@@ -185,3 +189,19 @@ class AsyncEngine:
                 rids = list(self._streams)
             for rid in rids:
                 self._deliver(rid, EngineDeadError(self.dead_reason))
+
+
+def lower_thread_priority(niceness: int) -> None:
+    """Make the calling thread (and the compute threads it will spawn) yield the CPU sooner.
+
+    On a machine with few cores the step loop's compute threads keep every core busy; an HTTP
+    loop that wakes up to answer a probe or refuse a request then waits for a time slice. A
+    higher nice value for the engine's threads lets the scheduler preempt them at once, at the
+    cost of throughput only while the HTTP side actually has work. Linux applies nice per
+    thread and threads inherit it, so this must run before the first parallel region.
+    """
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + niceness)
+    except (AttributeError, OSError) as exc:  # not Linux, or not permitted: run as we are
+        log.warning("could not lower the engine thread's priority: %s", exc)

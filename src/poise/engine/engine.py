@@ -18,6 +18,7 @@ from pathlib import Path
 from poise.engine.config import EngineConfig
 from poise.engine.errors import InvalidRequestError
 from poise.engine.faults import FaultInjector
+from poise.engine.forecast import IDLE_FORECAST, SlotForecast, SlotForecaster
 from poise.engine.kernels import load_paged_decode_attention
 from poise.engine.kv_cache import KVCacheManager, kv_bytes_per_token, num_blocks_for_budget
 from poise.engine.models.loader import load_model
@@ -113,6 +114,9 @@ class LLMEngine:
         )
         self._tracked: dict[str, _Tracked] = {}
         self.timing = StepTiming(last_step_end=clock())
+        self._forecaster = SlotForecaster(self.scheduler.config.max_num_seqs)
+        # Replaced (never mutated) after each step, so other threads may read it freely.
+        self.forecast: SlotForecast = IDLE_FORECAST
         self.faults: FaultInjector | None = None  # set by a front end that enables injection
 
     # ----- intake -----
@@ -239,7 +243,16 @@ class LLMEngine:
             self.timing.busy_s += self.timing.last_step_end - t0
             self.timing.computed_tokens += out.num_batched_tokens
             self.timing.generation_tokens += len(advanced)
-        return self._collect(advanced)
+            self._forecaster.observe_step(self.timing.last_step_end - t0)
+        outputs = self._collect(advanced)
+        for o in outputs:
+            if o.finished and o.outputs[0].finish_reason in ("stop", "length"):
+                self._forecaster.observe_finished(len(o.outputs[0].token_ids))
+        running = self.scheduler.running
+        self.forecast = self._forecaster.forecast(
+            (len(r.output_token_ids), r.max_tokens) for r in running if not r.is_probe
+        )
+        return outputs
 
     def _on_token(self, request: Request, logprobs: dict[int, float] | None, now: float) -> None:
         tracked = self._tracked[request.request_id]

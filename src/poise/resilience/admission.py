@@ -6,8 +6,12 @@ a ``Retry-After``) so that a gateway can send them elsewhere. The decision happe
 expensive work and needs only what this object has seen: who is waiting, and how fast waiting
 requests have been starting.
 
-The service-rate estimate is an exponentially weighted mean of the interval between two starts,
-counted only while someone was waiting throughout (idle time says nothing about capacity). If
+The service-rate estimate is the mean interval between the last ``rate_window`` pairs of
+consecutive starts, counted only while someone was waiting throughout (idle time says nothing
+about capacity). Starts come in bursts (one engine step may start several requests, then none
+for a while), so a short-memory average swings low right after a burst; admission acts on
+those lows, which biases it towards taking too much. A plain mean over a few dozen intervals
+is steadier than an exponential one with the same responsiveness. If
 the head of the queue has waited longer than that mean, the wait so far is the better estimate,
 so a stalled engine stops admitting instead of trusting an old, fast rate.
 
@@ -23,6 +27,7 @@ the policy is small, pure and takes its clock as an argument so it is tested wit
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -33,13 +38,13 @@ class AdmissionConfig:
     max_waiting_requests: int = 256
     max_waiting_tokens: int = 1 << 20  # prompt tokens admitted but not yet started
     max_queue_wait_s: float | None = None  # refuse what is predicted to wait longer (TTFT SLO)
-    ewma_alpha: float = 0.2
+    rate_window: int = 32  # start intervals averaged for the service rate
 
     def __post_init__(self) -> None:
         if self.max_waiting_requests < 1 or self.max_waiting_tokens < 1:
             raise ValueError("admission bounds must be at least 1")
-        if not 0.0 < self.ewma_alpha <= 1.0:
-            raise ValueError("ewma_alpha must be in (0, 1]")
+        if self.rate_window < 1:
+            raise ValueError("rate_window must be at least 1")
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,7 +74,7 @@ class AdmissionController:
         self.clock = clock
         self.waiting: dict[str, Ticket] = {}
         self.waiting_tokens = 0
-        self.mean_start_interval_s: float | None = None
+        self._intervals: deque[float] = deque(maxlen=config.rate_window)
         self._last_start: float | None = None
         self._queue_busy_since_last_start = False
 
@@ -82,12 +87,18 @@ class AdmissionController:
             or self.waiting_tokens >= c.max_waiting_tokens
         )
 
-    def predicted_wait(self, priority: int) -> float:
-        """Seconds until a request of this priority, arriving now, would start."""
-        ahead = sum(1 for t in self.waiting.values() if t.priority <= priority)
-        if ahead == 0:
-            return 0.0
-        return ahead * self._interval_estimate()
+    def ahead(self, priority: int) -> int:
+        """Waiting requests that a new one of this priority would queue behind."""
+        return sum(1 for t in self.waiting.values() if t.priority <= priority)
+
+    def predicted_wait(self, priority: int, slot_wait_s: float = 0.0) -> float:
+        """Seconds until a request of this priority, arriving now, would start.
+
+        ``slot_wait_s`` is the server's own forecast of when a running slot frees up for it;
+        the prediction is the more pessimistic of that and the measured start rate.
+        """
+        ahead = self.ahead(priority)
+        return max(slot_wait_s, ahead * self._interval_estimate() if ahead else 0.0)
 
     def admit(
         self,
@@ -95,12 +106,13 @@ class AdmissionController:
         prompt_tokens: Sequence[int],
         priority: int = 0,
         deadline: float | None = None,
+        slot_wait_s: float = 0.0,
     ) -> Decision:
         """Admit a group (the n choices of one HTTP request) whole, or none of it."""
         if len(keys) != len(prompt_tokens) or not keys:
             raise ValueError("one prompt length per key, at least one key")
         now = self.clock()
-        wait = self.predicted_wait(priority)
+        wait = self.predicted_wait(priority, slot_wait_s)
         tickets = [Ticket(k, n, priority, now) for k, n in zip(keys, prompt_tokens, strict=True)]
         if not self.config.enabled:
             self._enqueue(tickets)
@@ -131,16 +143,19 @@ class AdmissionController:
             return
         now = self.clock()
         if self._last_start is not None and self._queue_busy_since_last_start:
-            interval = max(0.0, now - self._last_start)
-            mean = self.mean_start_interval_s
-            a = self.config.ewma_alpha
-            self.mean_start_interval_s = interval if mean is None else (1 - a) * mean + a * interval
+            self._intervals.append(max(0.0, now - self._last_start))
         self._last_start = now
         self._queue_busy_since_last_start = bool(self.waiting)
 
     def left(self, key: str) -> None:
         """The request left the queue without starting (abort, timeout, error, shed)."""
         self._remove(key)
+
+    @property
+    def mean_start_interval_s(self) -> float | None:
+        if not self._intervals:
+            return None
+        return sum(self._intervals) / len(self._intervals)
 
     # ----- inside -----
     def _interval_estimate(self) -> float:

@@ -131,7 +131,9 @@ class Replica:
             healthy=healthy,
             admission_waiting=len(self.admission.waiting),
             admission_waiting_tokens=self.admission.waiting_tokens,
-            predicted_wait_s=self.admission.predicted_wait(0),
+            predicted_wait_s=self.admission.predicted_wait(
+                0, self.engine.engine.forecast.wait_s(self.admission.ahead(0) + 1)
+            ),
         )
 
     async def probe(self) -> tuple[bool, str]:
@@ -219,11 +221,14 @@ class Replica:
 
     def admit(self, group: list[Prepared], priority: int, deadline: float | None) -> None:
         """Admit the whole group or raise 429; sheds lower-priority waiting work if it must."""
+        # The last of the group needs a slot after everyone ahead and the rest of the group.
+        position = self.admission.ahead(priority) + len(group)
         decision = self.admission.admit(
             [p.request.request_id for p in group],
             [p.request.num_prompt_tokens for p in group],
             priority,
             deadline,
+            slot_wait_s=self.engine.engine.forecast.wait_s(position),
         )
         if not decision.admitted:
             reason = decision.reason or "overloaded"

@@ -129,3 +129,20 @@ def test_bounds_and_token_accounting_always_hold(ops):
         assert ac.waiting_tokens == sum(t.prompt_tokens for t in ac.waiting.values())
         assert len(ac.waiting) <= 5 and ac.waiting_tokens <= 120
         assert ac.predicted_wait(0) >= 0
+
+
+def test_the_servers_slot_forecast_overrides_an_optimistic_start_rate():
+    """A queue that starts requests quickly on average can still be a whole wave away."""
+    ac, clock = make(max_queue_wait_s=0.5)
+    ac.admit(["a", "b"], [1, 1])
+    clock.now += 0.1
+    ac.started("a")
+    clock.now += 0.1
+    ac.started("b")
+    ac.admit(["c"], [1])
+    assert ac.predicted_wait(0) == pytest.approx(0.1)
+    assert ac.admit(["d"], [1], slot_wait_s=0.2).admitted
+    refused = ac.admit(["e"], [1], slot_wait_s=3.0)
+    assert not refused.admitted and refused.reason == "queue_wait"
+    assert refused.predicted_wait_s == pytest.approx(3.0)
+    assert refused.retry_after_s == 3
