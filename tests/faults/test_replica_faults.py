@@ -154,8 +154,10 @@ def test_priority_sheds_the_lowest_waiting_first(start_server):
         running = pool.submit(post, server, body)
         # Until its first token, the running request still holds its place in the queue.
         assert wait_until(
-            lambda: server.metric("vllm:num_requests_running") == 1
-            and server.metric("poise_admission_waiting_requests") == 0
+            lambda: (
+                server.metric("vllm:num_requests_running") == 1
+                and server.metric("poise_admission_waiting_requests") == 0
+            )
         )
         low = pool.submit(post, server, {**body, "priority": 10})
         assert wait_until(lambda: server.metric("poise_admission_waiting_requests") == 1)

@@ -1,0 +1,142 @@
+"""A circuit breaker per backend on error rate *and* slow-call rate (SPEC formula 4).
+
+CLOSED: calls pass; the outcomes of the last ``window_size`` calls (no older than
+``window_s``) are kept. Once at least ``min_calls`` are in the window and the share of failures
+reaches ``failure_rate`` or the share of calls slower than ``slow_call_s`` reaches
+``slow_call_rate``, the breaker OPENs. OPEN: calls are refused for ``open_s``. HALF_OPEN: up to
+``half_open_calls`` probe calls are let through; when all have reported, the same two rates
+over just those calls decide CLOSED (window cleared) or OPEN again.
+
+As resilience4j's count-based window, with an age limit so that failures from long ago cannot
+trip a breaker on the first error of a quiet day. Pure: the clock is injected.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+class BreakerState(enum.Enum):
+    CLOSED = "closed"
+    OPEN = "open"
+    HALF_OPEN = "half_open"
+
+
+@dataclass(frozen=True, slots=True)
+class BreakerConfig:
+    failure_rate: float = 0.5
+    slow_call_rate: float = 0.8
+    slow_call_s: float = 10.0
+    window_size: int = 50
+    window_s: float = 60.0
+    min_calls: int = 10
+    open_s: float = 10.0
+    half_open_calls: int = 3
+
+    def __post_init__(self) -> None:
+        if not (0 < self.failure_rate <= 1 and 0 < self.slow_call_rate <= 1):
+            raise ValueError("breaker rates must be in (0, 1]")
+        if self.window_size < 1 or self.min_calls < 1 or self.half_open_calls < 1:
+            raise ValueError("breaker window, min_calls and half_open_calls must be >= 1")
+        if self.open_s <= 0 or self.slow_call_s <= 0 or self.window_s <= 0:
+            raise ValueError("breaker durations must be positive")
+
+
+@dataclass(frozen=True, slots=True)
+class _Call:
+    at: float
+    failed: bool
+    slow: bool
+
+
+class CircuitBreaker:
+    def __init__(
+        self,
+        config: BreakerConfig,
+        clock: Callable[[], float],
+        on_change: Callable[[BreakerState, BreakerState], None] | None = None,
+    ) -> None:
+        self.config = config
+        self.clock = clock
+        self.on_change = on_change
+        self._state = BreakerState.CLOSED
+        self._window: deque[_Call] = deque(maxlen=config.window_size)
+        self._opened_at = 0.0
+        self._probes_out = 0
+        self._probe_results: list[_Call] = []
+        self.times_opened = 0
+
+    @property
+    def state(self) -> BreakerState:
+        if (
+            self._state is BreakerState.OPEN
+            and self.clock() - self._opened_at >= self.config.open_s
+        ):
+            self._move(BreakerState.HALF_OPEN)
+        return self._state
+
+    def allows(self) -> bool:
+        """Could a call go now? Does not take a half-open permit (for routing decisions)."""
+        state = self.state
+        if state is BreakerState.CLOSED:
+            return True
+        if state is BreakerState.HALF_OPEN:
+            return self._probes_out + len(self._probe_results) < self.config.half_open_calls
+        return False
+
+    def acquire(self) -> bool:
+        """Take the right to make one call; every True must be followed by exactly one
+        ``record`` or ``release``."""
+        if not self.allows():
+            return False
+        if self._state is BreakerState.HALF_OPEN:
+            self._probes_out += 1
+        return True
+
+    def release(self) -> None:
+        """The call was abandoned without an outcome (the client left): give its permit back."""
+        if self._state is BreakerState.HALF_OPEN and self._probes_out > 0:
+            self._probes_out -= 1
+
+    def record(self, ok: bool, duration_s: float) -> None:
+        call = _Call(self.clock(), not ok, duration_s >= self.config.slow_call_s)
+        state = self.state
+        if state is BreakerState.HALF_OPEN:
+            self._probes_out = max(0, self._probes_out - 1)
+            self._probe_results.append(call)
+            if len(self._probe_results) >= self.config.half_open_calls:
+                if self._tripped(self._probe_results):
+                    self._open()
+                else:
+                    self._window.clear()
+                    self._move(BreakerState.CLOSED)
+            return
+        if state is BreakerState.OPEN:
+            return  # a call that began before the breaker opened: it already counted
+        self._window.append(call)
+        horizon = call.at - self.config.window_s
+        while self._window and self._window[0].at < horizon:
+            self._window.popleft()
+        if len(self._window) >= self.config.min_calls and self._tripped(self._window):
+            self._open()
+
+    def _tripped(self, calls: deque[_Call] | list[_Call]) -> bool:
+        n = len(calls)
+        failures = sum(c.failed for c in calls)
+        slow = sum(c.slow for c in calls)
+        return failures >= self.config.failure_rate * n or slow >= self.config.slow_call_rate * n
+
+    def _open(self) -> None:
+        self._opened_at = self.clock()
+        self.times_opened += 1
+        self._move(BreakerState.OPEN)
+
+    def _move(self, to: BreakerState) -> None:
+        before, self._state = self._state, to
+        self._probes_out = 0
+        self._probe_results = []
+        if self.on_change is not None and before is not to:
+            self.on_change(before, to)

@@ -1,0 +1,79 @@
+"""Retries that cannot become a storm: backoff with full jitter, a deadline cap, a budget.
+
+Backoff: the n-th retry waits a uniform draw from [0, min(cap, base·2^n)] (AWS's "full
+jitter"), or the server's ``Retry-After`` when it gave one and it is longer. A retry whose wait
+would not leave ``min_attempt_s`` before the request's deadline is not made.
+
+Budget (as Envoy's retry budget and Finagle's): retries in flight may not exceed
+``ratio`` × requests in flight, with a floor of ``min_concurrent`` so that a quiet gateway can
+still retry. When backends fail together, every request would retry at once and multiply the
+load on whatever is left; the budget caps that extra load at ``ratio``.
+
+Pure: the random source is injected; the budget is a counter the caller holds across calls.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class RetryPolicy:
+    max_retries: int = 2
+    base_s: float = 0.05
+    cap_s: float = 2.0
+    min_attempt_s: float = 0.05  # a retry must leave at least this much before the deadline
+
+    def __post_init__(self) -> None:
+        if self.max_retries < 0 or self.base_s < 0 or self.cap_s < self.base_s:
+            raise ValueError("retry policy: max_retries >= 0 and 0 <= base_s <= cap_s")
+
+    def delay_s(
+        self,
+        retry: int,
+        rng: random.Random,
+        retry_after_s: float | None = None,
+        time_left_s: float | None = None,
+    ) -> float | None:
+        """The wait before retry number ``retry`` (0-based), or None: do not retry."""
+        if retry >= self.max_retries:
+            return None
+        delay = rng.uniform(0, min(self.cap_s, self.base_s * (2**retry)))
+        if retry_after_s is not None:
+            delay = max(delay, retry_after_s)
+        if time_left_s is not None and delay + self.min_attempt_s > time_left_s:
+            return None
+        return delay
+
+
+class RetryBudget:
+    def __init__(self, ratio: float = 0.2, min_concurrent: int = 3) -> None:
+        if not 0 <= ratio <= 1 or min_concurrent < 0:
+            raise ValueError("retry budget: ratio in [0, 1], min_concurrent >= 0")
+        self.ratio = ratio
+        self.min_concurrent = min_concurrent
+        self.active_requests = 0
+        self.active_retries = 0
+        self.refused_total = 0
+
+    @property
+    def limit(self) -> int:
+        return max(self.min_concurrent, int(self.ratio * self.active_requests))
+
+    def request_started(self) -> None:
+        self.active_requests += 1
+
+    def request_ended(self) -> None:
+        self.active_requests = max(0, self.active_requests - 1)
+
+    def try_retry(self) -> bool:
+        """Take a retry slot; each True needs one ``retry_ended``."""
+        if self.active_retries >= self.limit:
+            self.refused_total += 1
+            return False
+        self.active_retries += 1
+        return True
+
+    def retry_ended(self) -> None:
+        self.active_retries = max(0, self.active_retries - 1)
