@@ -106,6 +106,37 @@ def _add_serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level")
 
 
+def _gateway(args: argparse.Namespace) -> int:
+    from poise.config import ConfigError
+    from poise.gateway.config import load_gateway_settings
+
+    try:
+        settings = load_gateway_settings(
+            args.config, {"host": args.host, "port": args.port, "log_level": args.log_level}
+        )
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    from poise.gateway.run import serve_gateway
+
+    host = f"[{settings.host}]" if ":" in settings.host else settings.host
+    print(f"poise: gateway at http://{host}:{settings.port}", flush=True)
+    return serve_gateway(settings)
+
+
+def _up(args: argparse.Namespace) -> int:
+    from poise.launcher import up
+
+    return up(
+        str(args.model),
+        args.replicas,
+        args.host,
+        args.port,
+        args.serve_flags.split(),
+        args.served_model_name,
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     from poise import __version__
 
@@ -134,6 +165,22 @@ def build_parser() -> argparse.ArgumentParser:
     srv = sub.add_parser("serve", help="serve one replica over OpenAI-compatible HTTP")
     _add_serve_flags(srv)
     srv.set_defaults(func=_serve)
+
+    gw = sub.add_parser("gateway", help="one resilient front for many OpenAI-compatible backends")
+    gw.add_argument("--config", required=True, help="the gateway's YAML file")
+    gw.add_argument("--host")
+    gw.add_argument("--port", type=int)
+    gw.add_argument("--log-level")
+    gw.set_defaults(func=_gateway)
+
+    u = sub.add_parser("up", help="N local replicas and a gateway in front, supervised")
+    u.add_argument("--model", required=True, type=Path)
+    u.add_argument("--replicas", type=int, default=2)
+    u.add_argument("--host", default="127.0.0.1")
+    u.add_argument("--port", type=int, default=8000)
+    u.add_argument("--served-model-name", default="demo")
+    u.add_argument("--serve-flags", default="", help="extra flags for each `poise serve`")
+    u.set_defaults(func=_up)
     return parser
 
 

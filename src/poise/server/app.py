@@ -22,6 +22,8 @@ from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from poise import __version__
+from poise.asgi import ClientGoneError, EventStreamResponse, GuardMiddleware
+from poise.asgi import unless_disconnected as _unless_disconnected
 from poise.config import ServerSettings
 from poise.engine.async_engine import AsyncEngine
 from poise.protocol import (
@@ -31,8 +33,6 @@ from poise.protocol import (
     ModelCard,
     ModelList,
 )
-from poise.server.http import ClientGoneError, EventStreamResponse, GuardMiddleware
-from poise.server.http import unless_disconnected as _unless_disconnected
 from poise.server.openai_api import create_chat_completion, create_completion
 from poise.server.replica import Phase, Replica
 

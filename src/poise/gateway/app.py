@@ -1,0 +1,337 @@
+"""The gateway's HTTP front: auth, rate limits, deadline, then a pool, then a fallback.
+
+It reads only what it needs from a body (model, stream, max_tokens, the prompt's leading text
+for affinity) and forwards the bytes as they came, so whatever a backend understands passes
+through. Every answer it makes itself is in OpenAI's error shape.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from poise.asgi import ClientGoneError, EventStreamResponse, GuardMiddleware, unless_disconnected
+from poise.gateway.config import GatewaySettings, KeySettings
+from poise.gateway.forward import Attempt, Forwarder, Timeouts, Upstream, relay
+from poise.gateway.health import watch
+from poise.gateway.metrics import GatewayMetrics
+from poise.gateway.pool import Pool, affinity_key
+from poise.protocol import APIError
+from poise.resilience.ratelimit import Charge, Limit, RateLimiter
+from poise.resilience.retry import RetryBudget, RetryPolicy
+from poise.version import __version__
+
+log = logging.getLogger("poise.gateway")
+
+MAX_DEADLINE_HEADER_MS = 1e10
+
+
+class Gateway:
+    def __init__(self, settings: GatewaySettings) -> None:
+        self.settings = settings
+        self.clock = time.monotonic
+        self.metrics = GatewayMetrics(self)
+        self.pools = {
+            name: Pool(name, settings, self.clock, on_breaker_change=self.metrics.breaker_changed)
+            for name in settings.models
+        }
+        self.keys = {k.key: k for k in settings.keys}
+        self.limiter = RateLimiter(self.clock)
+        r = settings.retry
+        self.budget = RetryBudget(r.budget_ratio, r.budget_min_concurrent)
+        self.policy = RetryPolicy(r.max_retries, r.base_s, max(r.cap_s, r.base_s))
+        self.client: httpx.AsyncClient | None = None
+        self.forwarder: Forwarder | None = None
+
+    async def start(self) -> list[asyncio.Task[None]]:
+        limits = httpx.Limits(max_connections=4096, max_keepalive_connections=1024)
+        self.client = httpx.AsyncClient(limits=limits, timeout=None)
+        t = self.settings.timeouts
+        self.forwarder = Forwarder(
+            self.client,
+            self.policy,
+            self.budget,
+            Timeouts(t.connect_s, t.first_byte_s, t.stream_idle_s),
+            self.clock,
+            on_outcome=self.metrics.upstream_outcome,
+        )
+        return [
+            asyncio.create_task(
+                watch(self.client, b, self.settings.health, self.metrics.health_changed)
+            )
+            for pool in self.pools.values()
+            for b in pool.backends
+        ]
+
+    async def stop(self) -> None:
+        if self.client is not None:
+            await self.client.aclose()
+
+    # ----- one request -----
+    def authenticate(self, request: Request) -> KeySettings | None:
+        if not self.keys:
+            return None
+        auth = request.headers.get("authorization", "")
+        key = self.keys.get(auth[7:].strip()) if auth[:7].lower() == "bearer " else None
+        if key is None:
+            raise APIError(
+                401,
+                "missing or invalid API key (Authorization: Bearer ...)",
+                code="invalid_api_key",
+            )
+        return key
+
+    def charges(self, key: KeySettings | None, model: str, tokens: float) -> list[Charge]:
+        out = []
+        m = self.settings.models[model]
+        for scope, rpm, tpm in (
+            (
+                f"key:{key.name}" if key else None,
+                key.requests_per_minute if key else None,
+                key.tokens_per_minute if key else None,
+            ),
+            (f"model:{model}", m.requests_per_minute, m.tokens_per_minute),
+        ):
+            if scope is None:
+                continue
+            if rpm is not None:
+                out.append(Charge(scope + ":rpm", Limit(rpm), 1, "requests"))
+            if tpm is not None:
+                out.append(Charge(scope + ":tpm", Limit(tpm), tokens, "tokens"))
+        return out
+
+    def deadline(self, request: Request) -> float:
+        total = self.settings.timeouts.total_s
+        raw = request.headers.get("x-request-deadline-ms")
+        if raw is not None:
+            try:
+                ms = float(raw)
+            except ValueError:
+                raise APIError(
+                    400,
+                    "X-Request-Deadline-Ms must be a number of milliseconds",
+                    param="X-Request-Deadline-Ms",
+                ) from None
+            if not 0 < ms <= MAX_DEADLINE_HEADER_MS:
+                raise APIError(
+                    400, "X-Request-Deadline-Ms must be positive", param="X-Request-Deadline-Ms"
+                )
+            total = min(total, ms / 1000.0)
+        return self.clock() + total
+
+
+def _parse(body: bytes) -> dict[str, Any]:
+    try:
+        data = json.loads(body)
+    except ValueError:
+        raise APIError(400, "the body is not valid JSON") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "the body must be a JSON object")
+    if not isinstance(data.get("model"), str):
+        raise APIError(400, "model is required", param="model")
+    return data
+
+
+def _prompt_text(data: dict[str, Any]) -> str:
+    if "messages" in data and isinstance(data["messages"], list):
+        parts = []
+        for m in data["messages"]:
+            content = m.get("content") if isinstance(m, dict) else None
+            if isinstance(content, str):
+                parts.append(content)
+        return "\n".join(parts)
+    prompt = data.get("prompt")
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    return prompt if isinstance(prompt, str) else json.dumps(prompt)[:512]
+
+
+def _estimate_tokens(data: dict[str, Any], text: str) -> float:
+    max_tokens = data.get("max_tokens") or data.get("max_completion_tokens") or 256
+    n = data.get("n") or 1
+    try:
+        return len(text) / 4 + float(max_tokens) * float(n)
+    except (TypeError, ValueError):
+        return len(text) / 4 + 256
+
+
+def create_gateway_app(settings: GatewaySettings) -> FastAPI:
+    gw = Gateway(settings)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        tasks = await gw.start()
+        yield
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await gw.stop()
+
+    app = FastAPI(title="poise gateway", version=__version__, lifespan=lifespan)
+    app.state.gateway = gw
+    app.add_middleware(GuardMiddleware, max_body_bytes=settings.max_body_bytes, api_keys=[])
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        gw.metrics.answered(None, exc.status)
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    async def proxy(request: Request, path: str) -> Response:
+        key = gw.authenticate(request)
+        raw = await request.body()
+        data = _parse(raw)
+        model = data["model"]
+        if model not in gw.pools:
+            raise APIError(
+                404, f"the model {model!r} does not exist", param="model", code="model_not_found"
+            )
+        deadline = gw.deadline(request)
+        text = _prompt_text(data)
+        estimate = _estimate_tokens(data, text)
+        charges = gw.charges(key, model, estimate)
+        if charges:
+            decision = gw.limiter.check(charges)
+            if not decision.allowed:
+                gw.metrics.rate_limited(decision.refused_by or "")
+                raise APIError(
+                    429,
+                    f"rate limit reached for {decision.refused_by}",
+                    code="rate_limit_exceeded",
+                    headers=decision.headers(),
+                )
+        headers = {"content-type": "application/json"}
+        priority = key.priority if key else 0
+        if priority:
+            headers["x-priority"] = str(max(priority, int(data.get("priority") or 0)))
+        for name in ("traceparent", "tracestate", "x-request-id"):
+            if name in request.headers:
+                headers[name] = request.headers[name]
+        stream = data.get("stream") is True
+        affinity = affinity_key(text)
+        gw.budget.request_started()
+        try:
+            upstream, served_by = await unless_disconnected(
+                request.receive,
+                _with_fallback(gw, model, data, raw, path, headers, deadline, stream, affinity),
+            )
+        except ClientGoneError:
+            gw.budget.request_ended()
+            return Response(status_code=499)
+        except BaseException:
+            gw.budget.request_ended()
+            raise
+        extra = {} if served_by == model else {"x-poise-fallback": f"model:{served_by}"}
+        if upstream.body is not None:
+            gw.budget.request_ended()
+            gw.metrics.answered(served_by, upstream.status)
+            if charges and upstream.status == 200:
+                _reconcile(gw, charges, upstream.body)
+            return Response(upstream.body, upstream.status, {**upstream.headers, **extra})
+
+        async def events() -> AsyncIterator[bytes]:
+            try:
+                async for chunk in relay(upstream, settings.timeouts.stream_idle_s):
+                    yield chunk
+            finally:
+                gw.budget.request_ended()
+                gw.metrics.answered(served_by, 200)
+
+        response = EventStreamResponse(events())
+        for k, v in extra.items():
+            response.headers[k] = v
+        return response
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await proxy(request, "/v1/completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        return await proxy(request, "/v1/chat/completions")
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        now = int(time.time())
+        data = [
+            {"id": m, "object": "model", "created": now, "owned_by": "poise"}
+            for m in settings.models
+        ]
+        return JSONResponse({"object": "list", "data": data})
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/ready")
+    async def ready() -> JSONResponse:
+        serving = {m: len(p.eligible()) for m, p in gw.pools.items()}
+        ok = all(serving.values())
+        return JSONResponse(
+            {"status": "ready" if ok else "degraded", "eligible_backends": serving},
+            status_code=200 if ok else 503,
+        )
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(gw.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/version")
+    async def version() -> JSONResponse:
+        return JSONResponse({"version": __version__, "role": "gateway"})
+
+    return app
+
+
+async def _with_fallback(
+    gw: Gateway,
+    model: str,
+    data: dict[str, Any],
+    raw: bytes,
+    path: str,
+    headers: dict[str, str],
+    deadline: float,
+    stream: bool,
+    affinity: bytes | None,
+) -> tuple[Upstream, str]:
+    assert gw.forwarder is not None
+    chain = [model, *gw.settings.models[model].fallback]
+    last: APIError | None = None
+    for i, name in enumerate(chain):
+        body = raw if i == 0 else json.dumps({**data, "model": name}).encode()
+        journey = Attempt()
+        try:
+            upstream = await gw.forwarder.send(
+                gw.pools[name], path, body, headers, deadline, stream, affinity, journey
+            )
+        except APIError as exc:
+            gw.metrics.retried(journey.retries)
+            if exc.status not in (429, 502, 503):
+                raise
+            last = exc
+            continue
+        gw.metrics.retried(journey.retries)
+        if i > 0:
+            gw.metrics.fell_back(model, name)
+        return upstream, name
+    assert last is not None
+    raise last
+
+
+def _reconcile(gw: Gateway, charges: list[Charge], body: bytes) -> None:
+    try:
+        used = float(json.loads(body)["usage"]["total_tokens"])
+    except (ValueError, KeyError, TypeError):
+        return
+    for c in charges:
+        if c.kind == "tokens":
+            gw.limiter.adjust(Charge(c.key, c.limit, used - c.cost, c.kind))

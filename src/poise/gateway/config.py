@@ -1,0 +1,155 @@
+"""The gateway's YAML: models and their backend pools, keys, limits, and every policy's knobs.
+
+    models:
+      demo:
+        backends:
+          - url: http://127.0.0.1:8001
+          - url: http://127.0.0.1:8002
+            weight: 2
+            api_key: secret-of-that-backend
+        fallback: [demo-small]          # other models to try when this pool cannot serve
+        requests_per_minute: 6000       # per-model limits (optional)
+        tokens_per_minute: 2000000
+    keys:                               # no keys: the gateway is open
+      - key: sk-team-a
+        name: team-a
+        priority: 0                     # lower is more important, as in vLLM
+        requests_per_minute: 600
+        tokens_per_minute: 200000
+    timeouts: {connect_s: 2, first_byte_s: 30, stream_idle_s: 30, total_s: 600}
+    retry: {max_retries: 2, base_s: 0.05, cap_s: 2, budget_ratio: 0.2, budget_min_concurrent: 3}
+    breaker: {failure_rate: 0.5, slow_call_rate: 0.8, slow_call_s: 10, min_calls: 10, open_s: 10}
+    ejection: {consecutive_failures: 5, base_s: 30, max_s: 300, max_ejected_share: 0.5}
+    health: {interval_s: 2, timeout_s: 2, healthy_after: 2, unhealthy_after: 2}
+
+An invalid file fails at start with every problem named by its dotted key.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, HttpUrl, ValidationError, model_validator
+
+from poise.config import ConfigError
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class BackendSettings(_Strict):
+    url: HttpUrl
+    weight: float = Field(default=1.0, gt=0)
+    api_key: str | None = None
+
+    @property
+    def base(self) -> str:
+        return str(self.url).rstrip("/")
+
+
+class ModelSettings(_Strict):
+    backends: list[BackendSettings] = Field(min_length=1)
+    fallback: list[str] = Field(default_factory=list)
+    requests_per_minute: float | None = Field(default=None, gt=0)
+    tokens_per_minute: float | None = Field(default=None, gt=0)
+
+
+class KeySettings(_Strict):
+    key: str = Field(min_length=8)
+    name: str
+    priority: int = 0
+    requests_per_minute: float | None = Field(default=None, gt=0)
+    tokens_per_minute: float | None = Field(default=None, gt=0)
+
+
+class TimeoutSettings(_Strict):
+    connect_s: float = Field(default=2.0, gt=0)
+    first_byte_s: float = Field(default=60.0, gt=0)
+    stream_idle_s: float = Field(default=30.0, gt=0)
+    total_s: float = Field(default=600.0, gt=0)
+
+
+class RetrySettings(_Strict):
+    max_retries: int = Field(default=2, ge=0, le=10)
+    base_s: float = Field(default=0.05, ge=0)
+    cap_s: float = Field(default=2.0, ge=0)
+    budget_ratio: float = Field(default=0.2, ge=0, le=1)
+    budget_min_concurrent: int = Field(default=3, ge=0)
+
+
+class BreakerSettings(_Strict):
+    failure_rate: float = Field(default=0.5, gt=0, le=1)
+    slow_call_rate: float = Field(default=0.8, gt=0, le=1)
+    slow_call_s: float = Field(default=30.0, gt=0)
+    window_size: int = Field(default=50, ge=1)
+    window_s: float = Field(default=60.0, gt=0)
+    min_calls: int = Field(default=10, ge=1)
+    open_s: float = Field(default=10.0, gt=0)
+    half_open_calls: int = Field(default=3, ge=1)
+
+
+class EjectionSettings(_Strict):
+    consecutive_failures: int = Field(default=5, ge=1)
+    base_s: float = Field(default=30.0, gt=0)
+    max_s: float = Field(default=300.0, gt=0)
+    max_ejected_share: float = Field(default=0.5, ge=0, le=1)
+    jitter_s: float = Field(default=1.0, ge=0)
+
+
+class HealthSettings(_Strict):
+    interval_s: float = Field(default=2.0, gt=0)
+    timeout_s: float = Field(default=2.0, gt=0)
+    healthy_after: int = Field(default=2, ge=1)
+    unhealthy_after: int = Field(default=2, ge=1)
+    generate_probe: bool = True  # poise backends: a real one-token generation
+
+
+class GatewaySettings(_Strict):
+    host: str = "127.0.0.1"
+    port: int = Field(default=8080, ge=0, le=65535)
+    models: dict[str, ModelSettings] = Field(min_length=1)
+    keys: list[KeySettings] = Field(default_factory=list)
+    timeouts: TimeoutSettings = TimeoutSettings()
+    retry: RetrySettings = RetrySettings()
+    breaker: BreakerSettings = BreakerSettings()
+    ejection: EjectionSettings = EjectionSettings()
+    health: HealthSettings = HealthSettings()
+    max_body_bytes: int = Field(default=4 << 20, ge=1024)
+    log_level: str = "info"
+
+    @model_validator(mode="after")
+    def _references(self) -> GatewaySettings:
+        for name, model in self.models.items():
+            for other in model.fallback:
+                if other not in self.models:
+                    raise ValueError(f"models.{name}.fallback names an unknown model {other!r}")
+                if other == name:
+                    raise ValueError(f"models.{name}.fallback names the model itself")
+        seen: set[str] = set()
+        for k in self.keys:
+            if k.key in seen:
+                raise ValueError(f"keys: the key of {k.name!r} is listed twice")
+            seen.add(k.key)
+        return self
+
+
+def load_gateway_settings(path: str | Path | None, overrides: dict[str, Any]) -> GatewaySettings:
+    raw: dict[str, Any] = {}
+    if path is not None:
+        try:
+            raw = yaml.safe_load(Path(path).read_text()) or {}
+        except (OSError, yaml.YAMLError) as exc:
+            raise ConfigError(f"cannot read the gateway config {path}: {exc}") from exc
+        if not isinstance(raw, dict):
+            raise ConfigError(f"the gateway config {path} must be a mapping")
+    raw.update({k: v for k, v in overrides.items() if v is not None})
+    try:
+        return GatewaySettings.model_validate(raw)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc']) or 'gateway'}: {e['msg']}" for e in exc.errors()
+        )
+        raise ConfigError(f"invalid gateway config: {problems}") from exc

@@ -1,0 +1,306 @@
+"""Sending one client request to a pool: attempts, retries, timeouts, and the stream relay.
+
+An attempt takes a breaker permit and a backend; its outcome feeds the breaker and outlier
+detection. Retries happen only while nothing has been sent to the client: on connect errors,
+timeouts before the first byte, and 429/500/502/503/504 (honouring ``Retry-After``), never to the
+same backend twice in a row when another is eligible, with jittered backoff capped by the
+deadline and by the gateway-wide retry budget. A 4xx other than 429 is the client's and passes
+through as it is. The remaining deadline travels with each attempt as
+``X-Request-Deadline-Ms`` so that the backend drops work nobody will wait for.
+
+A stream is committed once its first chunk has arrived: the client's 200 and headers are sent
+only then, so a backend that fails before producing anything is retried invisibly. After that a
+failure ends the stream with an SSE error event and ``[DONE]`` - never a silent truncation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+import httpx
+
+from poise.gateway.pool import Backend, Pool
+from poise.protocol import APIError, error_body
+from poise.resilience.retry import RetryBudget, RetryPolicy
+
+log = logging.getLogger("poise.gateway")
+
+# 500 too, as Envoy's ``5xx``: generation has no side effects, and nothing was sent yet.
+RETRYABLE_STATUS = frozenset({429, 500, 502, 503, 504})
+FAILURE_STATUS = frozenset({500, 502, 503, 504})  # what counts against a backend's health
+
+
+@dataclass(slots=True)
+class Attempt:
+    """A request's journey: which backends, how it ended; for metrics and the response."""
+
+    tried: list[Backend] = field(default_factory=list)
+    retries: int = 0
+    last_error: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Timeouts:
+    connect_s: float
+    first_byte_s: float
+    stream_idle_s: float
+
+
+@dataclass(slots=True)
+class Upstream:
+    """A committed upstream response: status, headers, and (for streams) its open body."""
+
+    status: int
+    headers: dict[str, str]
+    body: bytes | None  # whole body (non-streaming); None for a stream
+    first_chunk: bytes = b""
+    chunks: AsyncIterator[bytes] | None = None
+    response: httpx.Response | None = None
+    backend: Backend | None = None
+    outcome: Outcome | None = None
+
+
+class Forwarder:
+    def __init__(
+        self,
+        client: httpx.AsyncClient,
+        policy: RetryPolicy,
+        budget: RetryBudget,
+        timeouts: Timeouts,
+        clock: Callable[[], float] = time.monotonic,
+        rng: random.Random | None = None,
+        on_outcome: Callable[[Backend, str], None] | None = None,
+    ) -> None:
+        self.client = client
+        self.policy = policy
+        self.budget = budget
+        self.timeouts = timeouts
+        self.clock = clock
+        self.rng = rng or random.Random()
+        self.on_outcome = on_outcome or (lambda backend, outcome: None)
+
+    async def send(
+        self,
+        pool: Pool,
+        path: str,
+        body: bytes,
+        headers: dict[str, str],
+        deadline: float,
+        stream: bool,
+        affinity: bytes | None,
+        journey: Attempt,
+    ) -> Upstream:
+        """The first acceptable upstream response, or an APIError saying why there is none."""
+        while True:
+            backend = pool.pick(affinity, frozenset(journey.tried[-1:]))
+            if backend is None or not backend.breaker.acquire():
+                why = f" (last error: {journey.last_error})" if journey.last_error else ""
+                raise APIError(
+                    503, f"no healthy backend for model {pool.model!r}{why}", code="no_backend"
+                )
+            journey.tried.append(backend)
+            left = deadline - self.clock()
+            if left <= 0:
+                backend.breaker.release()
+                raise APIError(504, "the request's deadline passed at the gateway", code="timeout")
+            upstream, retry_after = await self._attempt(
+                pool, backend, path, body, headers, left, stream, journey
+            )
+            if upstream is not None:
+                return upstream
+            # Not acceptable and nothing sent yet: retry if the policy, deadline and budget allow.
+            delay = self.policy.delay_s(
+                journey.retries, self.rng, retry_after, deadline - self.clock()
+            )
+            if delay is None or not self.budget.try_retry():
+                raise _give_up(journey)
+            journey.retries += 1
+            try:
+                await asyncio.sleep(delay)
+            finally:
+                self.budget.retry_ended()
+
+    async def _attempt(
+        self,
+        pool: Pool,
+        backend: Backend,
+        path: str,
+        body: bytes,
+        headers: dict[str, str],
+        left_s: float,
+        stream: bool,
+        journey: Attempt,
+    ) -> tuple[Upstream | None, float | None]:
+        """(upstream, None) when acceptable; (None, retry_after) when worth retrying."""
+        sent_headers = {**headers, "x-request-deadline-ms": str(max(1, int(left_s * 1000)))}
+        if backend.settings.api_key:
+            sent_headers["authorization"] = f"Bearer {backend.settings.api_key}"
+        t = self.timeouts
+        timeout = httpx.Timeout(
+            connect=min(t.connect_s, left_s),
+            read=min(t.first_byte_s, left_s),
+            write=min(t.connect_s, left_s),
+            pool=min(t.connect_s, left_s),
+        )
+        request = self.client.build_request(
+            "POST", backend.url + path, content=body, headers=sent_headers, timeout=timeout
+        )
+        started = self.clock()
+        backend.inflight += 1
+        outcome = Outcome(self, pool, backend, started)
+        response: httpx.Response | None = None
+        try:
+            async with asyncio.timeout(left_s):
+                response = await self.client.send(request, stream=True)
+                status = response.status_code
+                if status != 200 or not stream:
+                    data = await response.aread()
+                    await response.aclose()
+                    if status in RETRYABLE_STATUS:
+                        outcome.done("overloaded" if status == 429 else "error", status)
+                        journey.last_error = f"{status} from {backend.url}: {_message(data)}"
+                        return None, _retry_after(response)
+                    outcome.done("ok" if status < 500 else "error", status)
+                    return Upstream(status, _pass_headers(response), data, backend=backend), None
+                chunks = response.aiter_raw()
+                first = await anext(chunks, b"")
+                if not first:
+                    raise httpx.RemoteProtocolError("the stream ended before its first chunk")
+                return (
+                    Upstream(
+                        200,
+                        _pass_headers(response),
+                        None,
+                        first,
+                        chunks,
+                        response,
+                        backend,
+                        outcome,
+                    ),
+                    None,
+                )
+        except (httpx.TransportError, TimeoutError) as exc:
+            if response is not None:
+                await response.aclose()
+            timed_out = isinstance(exc, TimeoutError | httpx.TimeoutException)
+            outcome.done("timeout" if timed_out else "connect_error", None)
+            journey.last_error = f"{type(exc).__name__} from {backend.url}: {exc}"
+            return None, None
+        except BaseException:  # cancelled: the client left; no verdict on the backend
+            if response is not None:
+                await response.aclose()
+            outcome.abandon()
+            raise
+
+
+class Outcome:
+    """Closes one attempt exactly once: in-flight count, breaker, outlier detection, metrics."""
+
+    def __init__(self, fwd: Forwarder, pool: Pool, backend: Backend, started: float) -> None:
+        self.fwd, self.pool, self.backend, self.started = fwd, pool, backend, started
+        self.closed = False
+
+    def done(self, outcome: str, status: int | None) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.backend.inflight -= 1
+        # 429 is a busy backend, not a broken one: it does not count against its health.
+        failed = outcome in ("error", "timeout", "connect_error") and status != 429
+        if outcome == "overloaded":
+            self.backend.breaker.release()
+        else:
+            self.backend.breaker.record(not failed, self.fwd.clock() - self.started)
+        self.pool.outliers.record(self.backend.url, not failed)
+        self.fwd.on_outcome(self.backend, outcome)
+
+    def abandon(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.backend.inflight -= 1
+        self.backend.breaker.release()
+
+
+def _give_up(journey: Attempt) -> APIError:
+    why = journey.last_error or "the backends failed"
+    if why.startswith("429"):
+        return APIError(
+            429,
+            f"every backend is overloaded ({why})",
+            code="overloaded",
+            headers={"Retry-After": "1"},
+        )
+    return APIError(
+        502,
+        f"upstream failed after {len(journey.tried)} attempt(s): {why}",
+        code="upstream_error",
+    )
+
+
+def _message(data: bytes) -> str:
+    try:
+        return str(json.loads(data)["error"]["message"])[:200]
+    except (ValueError, KeyError, TypeError):
+        return data[:200].decode(errors="replace")
+
+
+def _retry_after(response: httpx.Response) -> float | None:
+    raw = response.headers.get("retry-after")
+    try:
+        return None if raw is None else min(60.0, max(0.0, float(raw)))
+    except ValueError:
+        return None
+
+
+HOP_HEADERS = frozenset(
+    {"content-length", "transfer-encoding", "connection", "keep-alive", "server", "date"}
+)
+
+
+def _pass_headers(response: httpx.Response) -> dict[str, str]:
+    return {k: v for k, v in response.headers.items() if k.lower() not in HOP_HEADERS}
+
+
+async def relay(upstream: Upstream, idle_s: float) -> AsyncIterator[bytes]:
+    """The committed stream to the client, in whole SSE events so that an error event can
+    always follow cleanly; a failure after this point ends the stream explicitly."""
+    assert upstream.chunks is not None and upstream.outcome is not None
+    ok = False
+    pending = upstream.first_chunk
+    try:
+        while True:
+            cut = pending.rfind(b"\n\n")
+            if cut >= 0:
+                yield pending[: cut + 2]
+                pending = pending[cut + 2 :]
+            try:
+                async with asyncio.timeout(idle_s):
+                    chunk = await anext(upstream.chunks, None)
+            except TimeoutError:
+                raise httpx.ReadTimeout(f"no data from the backend for {idle_s:g}s") from None
+            if chunk is None:
+                break
+            pending += chunk
+        if pending.strip():
+            yield pending
+        ok = True
+    except (httpx.TransportError, TimeoutError) as exc:
+        where = upstream.backend.url if upstream.backend else "the backend"
+        log.warning("stream from %s broke after it began: %s", where, exc)
+        upstream.outcome.done("error", None)
+        body = error_body(502, f"the backend failed mid-stream: {exc}", code="upstream_error")
+        yield b"data: " + json.dumps(body).encode() + b"\n\ndata: [DONE]\n\n"
+    finally:
+        if upstream.response is not None:
+            await upstream.response.aclose()
+        if ok:
+            upstream.outcome.done("ok", 200)
+        else:
+            upstream.outcome.abandon()

@@ -1,0 +1,89 @@
+"""Active health checks and load reports, one loop per backend.
+
+Each round asks ``/health`` - with ``?probe=generate`` where enabled, which on a poise replica
+runs a real one-token generation that skips the queue, so the verdict is about the engine and
+not about how busy it is - and reads ``/metrics`` for the load the router uses (waiting and
+running requests, KV usage, under vLLM's names, which poise and vLLM both export). A backend is
+marked down after ``unhealthy_after`` failed rounds and up after ``healthy_after`` good ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+from collections.abc import Callable
+
+import httpx
+
+from poise.gateway.config import HealthSettings
+from poise.gateway.pool import Backend
+
+log = logging.getLogger("poise.gateway.health")
+
+_GAUGES = {
+    "vllm:num_requests_waiting": "waiting",
+    "vllm:num_requests_running": "running",
+    "vllm:kv_cache_usage_perc": "kv_usage",
+}
+_LINE = re.compile(r"^(vllm:[a-z_]+)(?:\{[^}]*\})? ([0-9.eE+-]+)$", re.MULTILINE)
+
+
+def parse_load(text: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for name, value in _LINE.findall(text):
+        field = _GAUGES.get(name)
+        if field is not None:
+            out[field] = out.get(field, 0.0) + float(value)
+    return out
+
+
+async def check_once(client: httpx.AsyncClient, backend: Backend, cfg: HealthSettings) -> bool:
+    headers = {}
+    if backend.settings.api_key:
+        headers["authorization"] = f"Bearer {backend.settings.api_key}"
+    try:
+        params = {"probe": "generate"} if cfg.generate_probe else None
+        r = await client.get(
+            backend.url + "/health", params=params, headers=headers, timeout=cfg.timeout_s
+        )
+        ok = r.status_code == 200
+        m = await client.get(backend.url + "/metrics", headers=headers, timeout=cfg.timeout_s)
+        if m.status_code == 200:
+            load = parse_load(m.text)
+            backend.load.waiting = load.get("waiting", 0.0)
+            backend.load.running = load.get("running", 0.0)
+            backend.load.kv_usage = load.get("kv_usage", 0.0)
+            backend.load.at = time.monotonic()
+        return ok
+    except httpx.HTTPError:
+        return False
+
+
+def apply(backend: Backend, ok: bool, cfg: HealthSettings) -> bool | None:
+    """Fold one result into the backend's state; returns the new verdict when it changed."""
+    if ok == backend.healthy:
+        backend.health_streak = 0
+        return None
+    backend.health_streak += 1
+    if backend.health_streak >= (cfg.healthy_after if ok else cfg.unhealthy_after):
+        backend.healthy = ok
+        backend.health_streak = 0
+        return ok
+    return None
+
+
+async def watch(
+    client: httpx.AsyncClient,
+    backend: Backend,
+    cfg: HealthSettings,
+    on_change: Callable[[Backend, bool], None],
+) -> None:
+    while True:
+        ok = await check_once(client, backend, cfg)
+        changed = apply(backend, ok, cfg)
+        if changed is not None:
+            log.warning("backend %s is now %s", backend.url, "up" if changed else "down")
+            on_change(backend, changed)
+        await asyncio.sleep(cfg.interval_s)

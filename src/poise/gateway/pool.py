@@ -1,0 +1,143 @@
+"""A model's pool of backends and the choice of one for each attempt.
+
+Eligible: marked healthy by the active checks, not ejected by outlier detection, breaker not
+open. Among those, power of two choices on load: the gateway's own requests in flight plus the
+waiting requests the backend itself reports (its ``/metrics``), scaled by weight; a backend whose
+report is stale counts as busy, since silence is not evidence of idleness.
+
+Prefix affinity: requests whose prompts begin alike carry the same affinity key; rendezvous
+hashing maps a key to one backend among the eligible ones, so the prefix cache there gets the
+hits. The affinity choice is taken unless it is clearly busier than the least loaded backend;
+when a backend leaves, only its keys move.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from poise.gateway.config import BackendSettings, GatewaySettings
+from poise.resilience.breaker import BreakerConfig, BreakerState, CircuitBreaker
+from poise.resilience.ejection import EjectionConfig, OutlierDetector
+
+STALE_LOAD_PENALTY = 1000.0
+AFFINITY_SLACK = 4.0  # requests in flight by which the affinity choice may exceed the least
+
+
+@dataclass(slots=True)
+class ReportedLoad:
+    waiting: float = 0.0
+    running: float = 0.0
+    kv_usage: float = 0.0
+    at: float | None = None  # when it was read; None: never
+
+
+@dataclass(eq=False)
+class Backend:
+    model: str
+    settings: BackendSettings
+    breaker: CircuitBreaker
+    inflight: int = 0
+    healthy: bool = True
+    health_streak: int = 0  # consecutive probe results in the direction of a change
+    load: ReportedLoad = field(default_factory=ReportedLoad)
+    is_poise: bool | None = None  # learned from /version: poise backends can resume streams
+
+    @property
+    def url(self) -> str:
+        return self.settings.base
+
+
+class Pool:
+    def __init__(
+        self,
+        model: str,
+        settings: GatewaySettings,
+        clock: Callable[[], float],
+        rng: random.Random | None = None,
+        on_breaker_change: Callable[[Backend, BreakerState], None] | None = None,
+    ) -> None:
+        self.model = model
+        self.clock = clock
+        self.rng = rng or random.Random()
+        self.stale_after_s = 3 * settings.health.interval_s + settings.health.timeout_s
+        b = settings.breaker
+        breaker_config = BreakerConfig(
+            failure_rate=b.failure_rate,
+            slow_call_rate=b.slow_call_rate,
+            slow_call_s=b.slow_call_s,
+            window_size=b.window_size,
+            window_s=b.window_s,
+            min_calls=b.min_calls,
+            open_s=b.open_s,
+            half_open_calls=b.half_open_calls,
+        )
+        self.backends: list[Backend] = []
+        for bs in settings.models[model].backends:
+            backend = Backend(model, bs, CircuitBreaker(breaker_config, clock))
+            if on_breaker_change is not None:
+                backend.breaker.on_change = (
+                    lambda _a, to, be=backend: on_breaker_change(be, to)  # type: ignore[misc]
+                )
+            self.backends.append(backend)
+        e = settings.ejection
+        self.outliers = OutlierDetector(
+            [be.url for be in self.backends],
+            EjectionConfig(
+                e.consecutive_failures, e.base_s, e.max_s, e.max_ejected_share, e.jitter_s
+            ),
+            clock,
+            self.rng,
+        )
+
+    def eligible(self, exclude: frozenset[Backend] = frozenset()) -> list[Backend]:
+        return [
+            b
+            for b in self.backends
+            if b not in exclude
+            and b.healthy
+            and not self.outliers.is_ejected(b.url)
+            and b.breaker.allows()
+        ]
+
+    def score(self, b: Backend) -> float:
+        load = b.load
+        # A nearly full KV cache means preemptions soon: as bad as a queue of ten.
+        reported = load.waiting + (10.0 if load.kv_usage > 0.95 else 0.0)
+        if load.at is not None and self.clock() - load.at > self.stale_after_s:
+            reported += STALE_LOAD_PENALTY
+        return (b.inflight + reported) / b.settings.weight
+
+    def pick(
+        self, affinity: bytes | None = None, exclude: frozenset[Backend] = frozenset()
+    ) -> Backend | None:
+        """One backend for the next attempt, or None when none may take it.
+
+        ``exclude``: backends already tried for this request; they are used again only when
+        nothing else is eligible.
+        """
+        candidates = self.eligible(exclude) or self.eligible()
+        if not candidates:
+            return None
+        if len(candidates) == 1:
+            return candidates[0]
+        least = min(self.score(b) for b in candidates)
+        if affinity is not None:
+            preferred = max(candidates, key=lambda b: _rendezvous(affinity, b.url))
+            if self.score(preferred) <= least + AFFINITY_SLACK:
+                return preferred
+        a, b = self.rng.sample(candidates, 2)
+        return a if self.score(a) <= self.score(b) else b
+
+
+def _rendezvous(key: bytes, url: str) -> int:
+    return int.from_bytes(hashlib.blake2b(key + url.encode(), digest_size=8).digest(), "big")
+
+
+def affinity_key(prompt_text: str, prefix_chars: int = 256) -> bytes | None:
+    """The leading block of a prompt; short prompts share too little to be worth pinning."""
+    if len(prompt_text) < prefix_chars // 2:
+        return None
+    return prompt_text[:prefix_chars].encode()

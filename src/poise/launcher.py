@@ -1,0 +1,142 @@
+"""``poise up``: N local replicas and a gateway in front, supervised, stopped together.
+
+Each replica is a ``poise serve`` process on a free loopback port; the gateway gets a generated
+config naming them. A replica that exits is started again on the same port after a backoff
+that doubles with each quick death (capped), so a crash loop does not spin; the gateway's
+health checks and breakers keep traffic away from it meanwhile. Ctrl-C or SIGTERM stops the
+gateway first (no new work), then the replicas (which drain), each by its pid.
+"""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+
+import yaml
+
+RESTART_BASE_S = 1.0
+RESTART_CAP_S = 30.0
+STABLE_AFTER_S = 30.0  # a replica up this long has its backoff reset
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Child:
+    name: str
+    argv: list[str]
+    proc: subprocess.Popen[bytes] | None = None
+    started_at: float = 0.0
+    restarts: int = 0
+    next_start: float = 0.0
+    backoff_s: float = RESTART_BASE_S
+    log: list[str] = field(default_factory=list)
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(self.argv)
+        self.started_at = time.monotonic()
+
+    def stop(self, timeout_s: float) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def up(
+    model: str,
+    replicas: int,
+    host: str,
+    port: int,
+    serve_flags: list[str],
+    model_name: str = "demo",
+) -> int:
+    ports = [free_port() for _ in range(replicas)]
+    python = sys.executable
+    children = [
+        Child(
+            f"replica-{i}",
+            [
+                python,
+                "-m",
+                "poise.cli",
+                "serve",
+                "--model",
+                model,
+                "--port",
+                str(p),
+                "--served-model-name",
+                model_name,
+                *serve_flags,
+            ],
+        )
+        for i, p in enumerate(ports)
+    ]
+    config = {
+        "host": host,
+        "port": port,
+        "models": {model_name: {"backends": [{"url": f"http://127.0.0.1:{p}"} for p in ports]}},
+        "health": {"interval_s": 1.0, "timeout_s": 2.0},
+    }
+    cfg_path = Path(tempfile.mkdtemp(prefix="poise-up-")) / "gateway.yaml"
+    cfg_path.write_text(yaml.safe_dump(config))
+    gateway = Child("gateway", [python, "-m", "poise.cli", "gateway", "--config", str(cfg_path)])
+    stopping = False
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    for child in children:
+        child.start()
+    gateway.start()
+    shown = f"[{host}]" if ":" in host else host
+    print(
+        f"poise up: gateway at http://{shown}:{port} in front of {replicas} replica(s) "
+        f"on ports {', '.join(map(str, ports))}; config {cfg_path}",
+        flush=True,
+    )
+    try:
+        while not stopping:
+            now = time.monotonic()
+            for child in [*children, gateway]:
+                assert child.proc is not None
+                if child.proc.poll() is None:
+                    if now - child.started_at > STABLE_AFTER_S:
+                        child.backoff_s = RESTART_BASE_S
+                    continue
+                if child.next_start == 0.0:
+                    child.next_start = now + child.backoff_s
+                    print(
+                        f"poise up: {child.name} exited with {child.proc.returncode}; "
+                        f"restarting in {child.backoff_s:.0f}s",
+                        flush=True,
+                    )
+                elif now >= child.next_start:
+                    child.restarts += 1
+                    child.backoff_s = min(RESTART_CAP_S, child.backoff_s * 2)
+                    child.next_start = 0.0
+                    child.start()
+            time.sleep(0.2)
+    finally:
+        gateway.stop(15)
+        for child in children:
+            child.stop(40)
+    return 0

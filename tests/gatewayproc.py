@@ -1,0 +1,60 @@
+"""Start ``poise gateway`` as a real process in front of given backends; stop it by pid."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+from serverproc import free_port
+
+
+class GatewayProcess:
+    def __init__(self, config: dict[str, Any], log_dir: Path) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cfg = {"host": "127.0.0.1", "port": self.port, **config}
+        self.config_path = log_dir / f"gateway-{self.port}.yaml"
+        self.config_path.write_text(yaml.safe_dump(cfg))
+        self.log_path = log_dir / f"gateway-{self.port}.log"
+        self._log = self.log_path.open("wb")
+        env = {k: v for k, v in os.environ.items() if not k.startswith("POISE_")}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "poise.cli", "gateway", "--config", str(self.config_path)],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
+        end = time.monotonic() + 60
+        while time.monotonic() < end:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"gateway exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(self.url + "/ready", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        raise TimeoutError(f"gateway not ready:\n{self.log()}")
+
+    def log(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")[-5000:]
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self._log.close()
+        return self.proc.returncode
