@@ -1,0 +1,78 @@
+"""Gateway config validation and the pool's choice of backend, without any network."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from poise.config import ConfigError
+from poise.gateway.config import GatewaySettings, load_gateway_settings
+from poise.gateway.pool import Pool, affinity_key
+
+
+def settings(n: int = 3, **extra) -> GatewaySettings:
+    backends = [{"url": f"http://127.0.0.1:{9000 + i}"} for i in range(n)]
+    return GatewaySettings.model_validate({"models": {"m": {"backends": backends}}, **extra})
+
+
+def test_invalid_config_names_the_key(tmp_path):
+    path = tmp_path / "g.yaml"
+    path.write_text("models:\n  m:\n    backends:\n      - url: not-a-url\n    fallback: [x]\n")
+    with pytest.raises(ConfigError) as err:
+        load_gateway_settings(path, {})
+    assert "models.m.backends.0.url" in str(err.value)
+    path.write_text("models:\n  m:\n    backends: [{url: 'http://a:1'}]\n    fallback: [x]\n")
+    with pytest.raises(ConfigError, match="unknown model 'x'"):
+        load_gateway_settings(path, {})
+    path.write_text("models: {}\nretry: {max_retries: -1}\n")
+    with pytest.raises(ConfigError, match=r"retry\.max_retries"):
+        load_gateway_settings(path, {})
+
+
+class Clock:
+    now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_power_of_two_choices_prefers_the_less_loaded():
+    pool = Pool("m", settings(2), Clock(), random.Random(0))
+    a, b = pool.backends
+    a.inflight = 5
+    assert all(pool.pick() is b for _ in range(20))
+
+
+def test_ineligible_backends_are_skipped_and_tried_ones_avoided():
+    pool = Pool("m", settings(3), Clock(), random.Random(0))
+    a, b, c = pool.backends
+    a.healthy = False
+    for _ in range(10):
+        b.breaker.acquire()
+        b.breaker.record(False, 0.1)  # opens: 10 failures >= min_calls
+    assert {pool.pick() for _ in range(20)} == {c}
+    # Excluding the only eligible one still returns it rather than nothing.
+    assert pool.pick(exclude=frozenset({c})) is c
+    c.healthy = False
+    assert pool.pick() is None
+
+
+def test_prefix_affinity_is_sticky_unless_much_busier():
+    pool = Pool("m", settings(3), Clock(), random.Random(0))
+    key = affinity_key("a shared system prompt " * 20)
+    first = pool.pick(key)
+    assert all(pool.pick(key) is first for _ in range(20))
+    first.inflight = 50
+    assert pool.pick(key) is not first
+    assert affinity_key("short") is None
+
+
+def test_stale_load_reports_count_as_busy():
+    clock = Clock()
+    pool = Pool("m", settings(2), clock, random.Random(0))
+    a, b = pool.backends
+    a.load.at = clock.now - 1000  # its report is old
+    b.load.at = clock.now
+    b.load.waiting = 20
+    assert all(pool.pick() is b for _ in range(10))
