@@ -1,0 +1,203 @@
+"""What the gateway adds: the same load straight to a fast upstream and through the gateway.
+
+The upstream is a minimal OpenAI-shaped server (fixed answer, no model) so that what is measured
+is the gateway's own cost. For streaming and non-streaming requests, in turn:
+1. fixed-rate arrivals (default 200/s) for a bounded time, direct and via the gateway: latency
+   p50/p99 (to the last byte) and the difference;
+2. a closed loop at fixed concurrency for a bounded time: the most requests/s each path carries.
+Everything runs on loopback and stops by itself; processes are stopped by pid.
+
+    python benchmarks/gateway_overhead.py [--rate 200] [--duration 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import yaml
+
+UPSTREAM = r"""
+import json, sys
+from starlette.applications import Starlette
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+import uvicorn
+
+BODY = {"id": "cmpl-1", "object": "text_completion", "created": 0, "model": "m",
+        "choices": [{"index": 0, "text": "hello world", "finish_reason": "length",
+                     "logprobs": None}],
+        "usage": {"prompt_tokens": 4, "completion_tokens": 8, "total_tokens": 12}}
+EVENT = ("data: " + json.dumps({**BODY, "choices": [{"index": 0, "text": "tok",
+         "finish_reason": None, "logprobs": None}]}) + "\n\n").encode()
+
+async def completions(request):
+    body = await request.json()
+    if body.get("stream"):
+        async def gen():
+            for _ in range(8):
+                yield EVENT
+            yield b"data: [DONE]\n\n"
+        return StreamingResponse(gen(), media_type="text/event-stream")
+    return JSONResponse(BODY)
+
+async def ok(request):
+    return Response("ok")
+
+app = Starlette(routes=[Route("/v1/completions", completions, methods=["POST"]),
+                        Route("/health", ok), Route("/metrics", ok)])
+uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), log_level="warning", access_log=False)
+"""
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_up(url: str, proc: subprocess.Popen[bytes]) -> None:
+    end = time.monotonic() + 60
+    while time.monotonic() < end:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{url} exited")
+        try:
+            if httpx.get(url, timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise TimeoutError(url)
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+async def one(client: httpx.AsyncClient, url: str, stream: bool) -> float | None:
+    body = {"model": "m", "prompt": "hi", "max_tokens": 8, "stream": stream}
+    t0 = time.perf_counter()
+    try:
+        if stream:
+            async with client.stream("POST", url, json=body) as r:
+                async for _ in r.aiter_raw():
+                    pass
+                ok = r.status_code == 200
+        else:
+            r = await client.post(url, json=body)
+            ok = r.status_code == 200
+    except httpx.HTTPError:
+        return None
+    return time.perf_counter() - t0 if ok else None
+
+
+async def fixed_rate(url: str, stream: bool, rate: float, duration: float) -> list[float | None]:
+    limits = httpx.Limits(max_connections=500, max_keepalive_connections=500)
+    async with httpx.AsyncClient(limits=limits, timeout=30) as client:
+        for _ in range(20):
+            await one(client, url, stream)
+        start = time.perf_counter()
+        tasks = []
+        for i in range(int(rate * duration)):
+            delay = start + i / rate - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(one(client, url, stream)))
+        return list(await asyncio.gather(*tasks))
+
+
+async def closed_loop(url: str, stream: bool, concurrency: int, duration: float) -> float:
+    done = 0
+    end = time.perf_counter() + duration
+    async with httpx.AsyncClient(timeout=30) as client:
+
+        async def worker() -> None:
+            nonlocal done
+            while time.perf_counter() < end:
+                if await one(client, url, stream) is not None:
+                    done += 1
+
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return done / duration
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rate", type=float, default=200.0)
+    ap.add_argument("--duration", type=float, default=10.0)
+    ap.add_argument("--concurrency", type=int, default=32)
+    args = ap.parse_args()
+    up_port, gw_port = free_port(), free_port()
+    upstream = subprocess.Popen([sys.executable, "-c", UPSTREAM, str(up_port)])
+    cfg = Path(tempfile.mkdtemp()) / "gateway.yaml"
+    cfg.write_text(
+        yaml.safe_dump(
+            {
+                "port": gw_port,
+                "log_level": "warning",
+                "models": {"m": {"backends": [{"url": f"http://127.0.0.1:{up_port}"}]}},
+                "health": {"generate_probe": False, "interval_s": 1.0},
+            }
+        )
+    )
+    gateway = subprocess.Popen([sys.executable, "-m", "poise.cli", "gateway", "--config", str(cfg)])
+    rows = []
+    try:
+        wait_up(f"http://127.0.0.1:{up_port}/health", upstream)
+        wait_up(f"http://127.0.0.1:{gw_port}/ready", gateway)
+        direct = f"http://127.0.0.1:{up_port}/v1/completions"
+        via = f"http://127.0.0.1:{gw_port}/v1/completions"
+        for stream in (False, True):
+            lat = {}
+            for name, url in (("direct", direct), ("gateway", via)):
+                res = asyncio.run(fixed_rate(url, stream, args.rate, args.duration))
+                ok = [1000 * x for x in res if x is not None]
+                lat[name] = (pct(ok, 0.5), pct(ok, 0.99), len(res) - len(ok))
+            rps = {
+                name: asyncio.run(closed_loop(url, stream, args.concurrency, args.duration / 2))
+                for name, url in (("direct", direct), ("gateway", via))
+            }
+            rows.append((stream, lat, rps))
+    finally:
+        stop(gateway)
+        stop(upstream)
+    print(
+        f"\n{args.rate:g} req/s for {args.duration:g}s per path; max rps at concurrency "
+        f"{args.concurrency}"
+    )
+    print(
+        f"{'mode':<11}{'direct p50':>11}{'p99':>8}{'gw p50':>9}{'p99':>8}{'added p50':>11}"
+        f"{'added p99':>11}{'failed':>8}{'max rps direct':>16}{'via gw':>8}"
+    )
+    for stream, lat, rps in rows:
+        d, g = lat["direct"], lat["gateway"]
+        print(
+            f"{'stream' if stream else 'non-stream':<11}{d[0]:>9.2f}ms{d[1]:>6.2f}ms"
+            f"{g[0]:>7.2f}ms{g[1]:>6.2f}ms{g[0] - d[0]:>9.2f}ms{g[1] - d[1]:>9.2f}ms"
+            f"{d[2] + g[2]:>8}{rps['direct']:>16.0f}{rps['gateway']:>8.0f}"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
