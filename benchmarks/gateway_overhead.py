@@ -24,6 +24,8 @@ from pathlib import Path
 import httpx
 import yaml
 
+from poise.launcher import free_port
+
 UPSTREAM = r"""
 import json, sys
 from starlette.applications import Starlette
@@ -55,14 +57,6 @@ app = Starlette(routes=[Route("/v1/completions", completions, methods=["POST"]),
                         Route("/health", ok), Route("/metrics", ok)])
 uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), log_level="warning", access_log=False)
 """
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def wait_up(url: str, proc: subprocess.Popen[bytes]) -> None:

@@ -21,7 +21,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -29,6 +28,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import httpx
+
+from poise.launcher import free_port, serve_argv
 
 TTFT_SLO_S = 1.0
 TPOT_SLO_S = 0.100
@@ -190,23 +191,9 @@ async def run_load(
 
 class Replica:
     def __init__(self, model: str, flags: list[str]) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [
-            sys.executable,
-            "-m",
-            "poise.cli",
-            "serve",
-            "--model",
-            model,
-            "--port",
-            str(self.port),
-            "--log-level",
-            "warning",
-            *flags,
-        ]
+        cmd = serve_argv(model, self.port, "--log-level", "warning", *flags)
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=sys.stderr)
         end = time.monotonic() + 300
         while time.monotonic() < end:

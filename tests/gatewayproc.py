@@ -6,14 +6,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
-import httpx
 import yaml
 
-from serverproc import free_port
+from poise.launcher import free_port
+from serverproc import wait_ready
 
 
 class GatewayProcess:
@@ -32,17 +31,7 @@ class GatewayProcess:
             stderr=subprocess.STDOUT,
             env=env,
         )
-        end = time.monotonic() + 60
-        while time.monotonic() < end:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"gateway exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                if httpx.get(self.url + "/ready", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        raise TimeoutError(f"gateway not ready:\n{self.log()}")
+        wait_ready(self.url + "/ready", self.proc, self.log, "gateway", 60)
 
     def log(self) -> str:
         self._log.flush()

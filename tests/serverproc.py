@@ -5,19 +5,31 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
-import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
 
+from poise.launcher import free_port, serve_argv
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+
+def wait_ready(
+    url: str, proc: subprocess.Popen[bytes], log: Callable[[], str], what: str, timeout: float
+) -> None:
+    """Poll ``url`` until it answers 200; fail with the process's log if it exits or stalls."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with {proc.returncode}:\n{log()}")
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise TimeoutError(f"{what} not ready after {timeout}s:\n{log()}")
 
 
 class ServerProcess:
@@ -26,36 +38,14 @@ class ServerProcess:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_dir / f"serve-{self.port}.log"
         self._log = self.log_path.open("wb")
-        cmd = [
-            sys.executable,
-            "-m",
-            "poise.cli",
-            "serve",
-            "--model",
-            str(model),
-            "--port",
-            str(self.port),
-            "--served-model-name",
-            "m",
-            *flags,
-        ]
+        cmd = serve_argv(str(model), self.port, "--served-model-name", "m", *flags)
         env = {k: v for k, v in os.environ.items() if not k.startswith("POISE_")}
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
         if ready:
             self.wait_ready()
 
     def wait_ready(self, timeout: float = 120.0) -> None:
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                if httpx.get(self.url + "/ready", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        raise TimeoutError(f"server not ready after {timeout}s:\n{self.log()}")
+        wait_ready(self.url + "/ready", self.proc, self.log, "server", timeout)
 
     def log(self) -> str:
         self._log.flush()

@@ -13,9 +13,11 @@ import asyncio
 import contextlib
 import hmac
 import json
+import logging
 from collections.abc import AsyncIterator, Awaitable, Sequence
 from typing import TypeVar
 
+import uvicorn
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -166,3 +168,19 @@ class GuardMiddleware:
             return await receive()
 
         await self.app(scope, replay, send)
+
+
+def uvicorn_config(app: ASGIApp, host: str, port: int, log_level: str) -> uvicorn.Config:
+    """Logging set up and uvicorn configured the same way for a replica and a gateway."""
+    logging.basicConfig(
+        level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    return uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        access_log=False,
+        timeout_graceful_shutdown=10,
+        timeout_keep_alive=30,
+    )

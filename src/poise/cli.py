@@ -58,7 +58,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from poise.config import ConfigError, ServerSettings, load_settings
+    from poise.config import ConfigError, ServerSettings, http_url, load_settings
 
     flags = {name: getattr(args, name, None) for name in ServerSettings.model_fields}
     flags["api_keys"] = args.api_key
@@ -73,8 +73,10 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     from poise.server.run import serve
 
-    host = f"[{settings.host}]" if ":" in settings.host else settings.host
-    print(f"poise: serving {settings.model_name} at http://{host}:{settings.port}", flush=True)
+    print(
+        f"poise: serving {settings.model_name} at {http_url(settings.host, settings.port)}",
+        flush=True,
+    )
     return serve(settings)
 
 
@@ -107,7 +109,7 @@ def _add_serve_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _gateway(args: argparse.Namespace) -> int:
-    from poise.config import ConfigError
+    from poise.config import ConfigError, http_url
     from poise.gateway.config import load_gateway_settings
 
     try:
@@ -119,8 +121,7 @@ def _gateway(args: argparse.Namespace) -> int:
         return 2
     from poise.gateway.run import serve_gateway
 
-    host = f"[{settings.host}]" if ":" in settings.host else settings.host
-    print(f"poise: gateway at http://{host}:{settings.port}", flush=True)
+    print(f"poise: gateway at {http_url(settings.host, settings.port)}", flush=True)
     return serve_gateway(settings)
 
 

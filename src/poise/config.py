@@ -10,12 +10,13 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 ENV_PREFIX = "POISE_"
+SettingsT = TypeVar("SettingsT", bound=BaseModel)
 
 
 class ConfigError(ValueError):
@@ -80,7 +81,7 @@ def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
     return out
 
 
-def _from_file(path: str | Path) -> dict[str, Any]:
+def read_config_file(path: str | Path) -> dict[str, Any]:
     try:
         data = yaml.safe_load(Path(path).read_text()) or {}
     except OSError as exc:
@@ -99,13 +100,23 @@ def load_settings(
 ) -> ServerSettings:
     merged: dict[str, Any] = {}
     if config_file is not None:
-        merged.update(_from_file(config_file))
+        merged.update(read_config_file(config_file))
     merged.update(_from_env(os.environ if env is None else env))
     merged.update({k: v for k, v in flags.items() if v is not None})
+    return validate_settings(ServerSettings, merged, "settings")
+
+
+def http_url(host: str, port: int) -> str:
+    """The URL a listener on ``host:port`` is reached at (IPv6 literals in brackets)."""
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def validate_settings(model: type[SettingsT], raw: Mapping[str, Any], what: str) -> SettingsT:
+    """Validate, or fail with every problem named by its dotted key."""
     try:
-        return ServerSettings.model_validate(merged)
+        return model.model_validate(raw)
     except ValidationError as exc:
         problems = "; ".join(
-            f"{'.'.join(str(p) for p in e['loc']) or 'settings'}: {e['msg']}" for e in exc.errors()
+            f"{'.'.join(str(p) for p in e['loc']) or what}: {e['msg']}" for e in exc.errors()
         )
-        raise ConfigError(f"invalid settings: {problems}") from exc
+        raise ConfigError(f"invalid {what}: {problems}") from exc

@@ -15,11 +15,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 
 import yaml
+
+from poise.config import http_url
 
 RESTART_BASE_S = 1.0
 RESTART_CAP_S = 30.0
@@ -32,16 +34,29 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
+def serve_argv(model: str, port: int, *flags: str) -> list[str]:
+    """The command line of one ``poise serve`` on loopback, in this interpreter."""
+    return [
+        sys.executable,
+        "-m",
+        "poise.cli",
+        "serve",
+        "--model",
+        model,
+        "--port",
+        str(port),
+        *flags,
+    ]
+
+
 @dataclass
 class Child:
     name: str
     argv: list[str]
     proc: subprocess.Popen[bytes] | None = None
     started_at: float = 0.0
-    restarts: int = 0
     next_start: float = 0.0
     backoff_s: float = RESTART_BASE_S
-    log: list[str] = field(default_factory=list)
 
     def start(self) -> None:
         self.proc = subprocess.Popen(self.argv)
@@ -67,24 +82,8 @@ def up(
     model_name: str = "demo",
 ) -> int:
     ports = [free_port() for _ in range(replicas)]
-    python = sys.executable
     children = [
-        Child(
-            f"replica-{i}",
-            [
-                python,
-                "-m",
-                "poise.cli",
-                "serve",
-                "--model",
-                model,
-                "--port",
-                str(p),
-                "--served-model-name",
-                model_name,
-                *serve_flags,
-            ],
-        )
+        Child(f"replica-{i}", serve_argv(model, p, "--served-model-name", model_name, *serve_flags))
         for i, p in enumerate(ports)
     ]
     config = {
@@ -95,7 +94,9 @@ def up(
     }
     cfg_path = Path(tempfile.mkdtemp(prefix="poise-up-")) / "gateway.yaml"
     cfg_path.write_text(yaml.safe_dump(config))
-    gateway = Child("gateway", [python, "-m", "poise.cli", "gateway", "--config", str(cfg_path)])
+    gateway = Child(
+        "gateway", [sys.executable, "-m", "poise.cli", "gateway", "--config", str(cfg_path)]
+    )
     stopping = False
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
@@ -107,9 +108,8 @@ def up(
     for child in children:
         child.start()
     gateway.start()
-    shown = f"[{host}]" if ":" in host else host
     print(
-        f"poise up: gateway at http://{shown}:{port} in front of {replicas} replica(s) "
+        f"poise up: gateway at {http_url(host, port)} in front of {replicas} replica(s) "
         f"on ports {', '.join(map(str, ports))}; config {cfg_path}",
         flush=True,
     )
@@ -130,7 +130,6 @@ def up(
                         flush=True,
                     )
                 elif now >= child.next_start:
-                    child.restarts += 1
                     child.backoff_s = min(RESTART_CAP_S, child.backoff_s * 2)
                     child.next_start = 0.0
                     child.start()

@@ -63,6 +63,27 @@ class APIError(Exception):
         return error_body(self.status, self.message, self.param, self.code)
 
 
+DEADLINE_HEADER = "x-request-deadline-ms"
+_MAX_DEADLINE_MS = 1e10
+
+
+def deadline_budget_s(header_ms: str | None) -> float | None:
+    """Seconds left to a request by its ``X-Request-Deadline-Ms`` header; None when absent."""
+    if header_ms is None:
+        return None
+    try:
+        ms = float(header_ms)
+    except ValueError:
+        raise APIError(
+            400,
+            "X-Request-Deadline-Ms must be a number of milliseconds",
+            param="X-Request-Deadline-Ms",
+        ) from None
+    if not 0 < ms <= _MAX_DEADLINE_MS:
+        raise APIError(400, "X-Request-Deadline-Ms must be positive", param="X-Request-Deadline-Ms")
+    return ms / 1000.0
+
+
 # ----- requests -----
 
 

@@ -26,14 +26,12 @@ from poise.gateway.forward import Attempt, Forwarder, Timeouts, Upstream, relay
 from poise.gateway.health import watch
 from poise.gateway.metrics import GatewayMetrics
 from poise.gateway.pool import Pool, affinity_key
-from poise.protocol import APIError
+from poise.protocol import DEADLINE_HEADER, APIError, deadline_budget_s
 from poise.resilience.ratelimit import Charge, Limit, RateLimiter
 from poise.resilience.retry import RetryBudget, RetryPolicy
 from poise.version import __version__
 
 log = logging.getLogger("poise.gateway")
-
-MAX_DEADLINE_HEADER_MS = 1e10
 
 
 class Gateway:
@@ -61,7 +59,7 @@ class Gateway:
             self.client,
             self.policy,
             self.budget,
-            Timeouts(t.connect_s, t.first_byte_s, t.stream_idle_s),
+            Timeouts(t.connect_s, t.first_byte_s),
             self.clock,
             on_outcome=self.metrics.upstream_outcome,
         )
@@ -92,18 +90,12 @@ class Gateway:
         return key
 
     def charges(self, key: KeySettings | None, model: str, tokens: float) -> list[Charge]:
-        out = []
         m = self.settings.models[model]
-        for scope, rpm, tpm in (
-            (
-                f"key:{key.name}" if key else None,
-                key.requests_per_minute if key else None,
-                key.tokens_per_minute if key else None,
-            ),
-            (f"model:{model}", m.requests_per_minute, m.tokens_per_minute),
-        ):
-            if scope is None:
-                continue
+        scopes = [(f"model:{model}", m.requests_per_minute, m.tokens_per_minute)]
+        if key is not None:  # first, so that a refusal names the key's own limit
+            scopes.insert(0, (f"key:{key.name}", key.requests_per_minute, key.tokens_per_minute))
+        out = []
+        for scope, rpm, tpm in scopes:
             if rpm is not None:
                 out.append(Charge(scope + ":rpm", Limit(rpm), 1, "requests"))
             if tpm is not None:
@@ -112,22 +104,8 @@ class Gateway:
 
     def deadline(self, request: Request) -> float:
         total = self.settings.timeouts.total_s
-        raw = request.headers.get("x-request-deadline-ms")
-        if raw is not None:
-            try:
-                ms = float(raw)
-            except ValueError:
-                raise APIError(
-                    400,
-                    "X-Request-Deadline-Ms must be a number of milliseconds",
-                    param="X-Request-Deadline-Ms",
-                ) from None
-            if not 0 < ms <= MAX_DEADLINE_HEADER_MS:
-                raise APIError(
-                    400, "X-Request-Deadline-Ms must be positive", param="X-Request-Deadline-Ms"
-                )
-            total = min(total, ms / 1000.0)
-        return self.clock() + total
+        asked = deadline_budget_s(request.headers.get(DEADLINE_HEADER))
+        return self.clock() + (total if asked is None else min(total, asked))
 
 
 def _parse(body: bytes) -> dict[str, Any]:

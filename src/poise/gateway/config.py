@@ -30,10 +30,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, HttpUrl, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, HttpUrl, model_validator
 
-from poise.config import ConfigError
+from poise.config import read_config_file, validate_settings
 
 
 class _Strict(BaseModel):
@@ -137,19 +136,6 @@ class GatewaySettings(_Strict):
 
 
 def load_gateway_settings(path: str | Path | None, overrides: dict[str, Any]) -> GatewaySettings:
-    raw: dict[str, Any] = {}
-    if path is not None:
-        try:
-            raw = yaml.safe_load(Path(path).read_text()) or {}
-        except (OSError, yaml.YAMLError) as exc:
-            raise ConfigError(f"cannot read the gateway config {path}: {exc}") from exc
-        if not isinstance(raw, dict):
-            raise ConfigError(f"the gateway config {path} must be a mapping")
+    raw = read_config_file(path) if path is not None else {}
     raw.update({k: v for k, v in overrides.items() if v is not None})
-    try:
-        return GatewaySettings.model_validate(raw)
-    except ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in e['loc']) or 'gateway'}: {e['msg']}" for e in exc.errors()
-        )
-        raise ConfigError(f"invalid gateway config: {problems}") from exc
+    return validate_settings(GatewaySettings, raw, "gateway config")

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from poise.gateway.pool import Backend, Pool
-from poise.protocol import APIError, error_body
+from poise.protocol import DEADLINE_HEADER, APIError, error_body
 from poise.resilience.retry import RetryBudget, RetryPolicy
 
 log = logging.getLogger("poise.gateway")
@@ -49,7 +49,6 @@ class Attempt:
 class Timeouts:
     connect_s: float
     first_byte_s: float
-    stream_idle_s: float
 
 
 @dataclass(slots=True)
@@ -138,7 +137,7 @@ class Forwarder:
         journey: Attempt,
     ) -> tuple[Upstream | None, float | None]:
         """(upstream, None) when acceptable; (None, retry_after) when worth retrying."""
-        sent_headers = {**headers, "x-request-deadline-ms": str(max(1, int(left_s * 1000)))}
+        sent_headers = {**headers, DEADLINE_HEADER: str(max(1, int(left_s * 1000)))}
         if backend.settings.api_key:
             sent_headers["authorization"] = f"Bearer {backend.settings.api_key}"
         t = self.timeouts
@@ -163,10 +162,10 @@ class Forwarder:
                     data = await response.aread()
                     await response.aclose()
                     if status in RETRYABLE_STATUS:
-                        outcome.done("overloaded" if status == 429 else "error", status)
+                        outcome.done("overloaded" if status == 429 else "error")
                         journey.last_error = f"{status} from {backend.url}: {_message(data)}"
                         return None, _retry_after(response)
-                    outcome.done("ok" if status < 500 else "error", status)
+                    outcome.done("ok" if status < 500 else "error")
                     return Upstream(status, _pass_headers(response), data, backend=backend), None
                 chunks = response.aiter_raw()
                 first = await anext(chunks, b"")
@@ -189,7 +188,7 @@ class Forwarder:
             if response is not None:
                 await response.aclose()
             timed_out = isinstance(exc, TimeoutError | httpx.TimeoutException)
-            outcome.done("timeout" if timed_out else "connect_error", None)
+            outcome.done("timeout" if timed_out else "connect_error")
             journey.last_error = f"{type(exc).__name__} from {backend.url}: {exc}"
             return None, None
         except BaseException:  # cancelled: the client left; no verdict on the backend
@@ -206,13 +205,13 @@ class Outcome:
         self.fwd, self.pool, self.backend, self.started = fwd, pool, backend, started
         self.closed = False
 
-    def done(self, outcome: str, status: int | None) -> None:
+    def done(self, outcome: str) -> None:
         if self.closed:
             return
         self.closed = True
         self.backend.inflight -= 1
-        # 429 is a busy backend, not a broken one: it does not count against its health.
-        failed = outcome in ("error", "timeout", "connect_error") and status != 429
+        # 429 ("overloaded") is a busy backend, not a broken one: it does not count against it.
+        failed = outcome in ("error", "timeout", "connect_error")
         if outcome == "overloaded":
             self.backend.breaker.release()
         else:
@@ -294,13 +293,13 @@ async def relay(upstream: Upstream, idle_s: float) -> AsyncIterator[bytes]:
     except (httpx.TransportError, TimeoutError) as exc:
         where = upstream.backend.url if upstream.backend else "the backend"
         log.warning("stream from %s broke after it began: %s", where, exc)
-        upstream.outcome.done("error", None)
+        upstream.outcome.done("error")
         body = error_body(502, f"the backend failed mid-stream: {exc}", code="upstream_error")
         yield b"data: " + json.dumps(body).encode() + b"\n\ndata: [DONE]\n\n"
     finally:
         if upstream.response is not None:
             await upstream.response.aclose()
         if ok:
-            upstream.outcome.done("ok", 200)
+            upstream.outcome.done("ok")
         else:
             upstream.outcome.abandon()

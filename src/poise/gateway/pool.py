@@ -63,17 +63,7 @@ class Pool:
         self.clock = clock
         self.rng = rng or random.Random()
         self.stale_after_s = 3 * settings.health.interval_s + settings.health.timeout_s
-        b = settings.breaker
-        breaker_config = BreakerConfig(
-            failure_rate=b.failure_rate,
-            slow_call_rate=b.slow_call_rate,
-            slow_call_s=b.slow_call_s,
-            window_size=b.window_size,
-            window_s=b.window_s,
-            min_calls=b.min_calls,
-            open_s=b.open_s,
-            half_open_calls=b.half_open_calls,
-        )
+        breaker_config = BreakerConfig(**settings.breaker.model_dump())
         self.backends: list[Backend] = []
         for bs in settings.models[model].backends:
             backend = Backend(model, bs, CircuitBreaker(breaker_config, clock))
@@ -82,12 +72,9 @@ class Pool:
                     lambda _a, to, be=backend: on_breaker_change(be, to)  # type: ignore[misc]
                 )
             self.backends.append(backend)
-        e = settings.ejection
         self.outliers = OutlierDetector(
             [be.url for be in self.backends],
-            EjectionConfig(
-                e.consecutive_failures, e.base_s, e.max_s, e.max_ejected_share, e.jitter_s
-            ),
+            EjectionConfig(**settings.ejection.model_dump()),
             clock,
             self.rng,
         )

@@ -69,9 +69,17 @@ class Decision:
 
 
 class AdmissionController:
-    def __init__(self, config: AdmissionConfig, clock: Callable[[], float]) -> None:
+    def __init__(
+        self,
+        config: AdmissionConfig,
+        clock: Callable[[], float],
+        slot_wait: Callable[[int], float] | None = None,
+    ) -> None:
+        """``slot_wait(k)``: the server's own forecast, in seconds, of when the k-th request in
+        line gets a running slot (see ``poise.engine.forecast``); None when it has none."""
         self.config = config
         self.clock = clock
+        self.slot_wait = slot_wait
         self.waiting: dict[str, Ticket] = {}
         self.waiting_tokens = 0
         self._intervals: deque[float] = deque(maxlen=config.rate_window)
@@ -91,14 +99,13 @@ class AdmissionController:
         """Waiting requests that a new one of this priority would queue behind."""
         return sum(1 for t in self.waiting.values() if t.priority <= priority)
 
-    def predicted_wait(self, priority: int, slot_wait_s: float = 0.0) -> float:
-        """Seconds until a request of this priority, arriving now, would start.
-
-        ``slot_wait_s`` is the server's own forecast of when a running slot frees up for it;
-        the prediction is the more pessimistic of that and the measured start rate.
-        """
+    def predicted_wait(self, priority: int, group_size: int = 1) -> float:
+        """Seconds until a group of this priority, arriving now, would start: the more
+        pessimistic of the measured start rate and the slot forecast for its last member."""
         ahead = self.ahead(priority)
-        return max(slot_wait_s, ahead * self._interval_estimate() if ahead else 0.0)
+        by_rate = ahead * self._interval_estimate() if ahead else 0.0
+        by_slots = self.slot_wait(ahead + group_size) if self.slot_wait is not None else 0.0
+        return max(by_slots, by_rate)
 
     def admit(
         self,
@@ -106,13 +113,12 @@ class AdmissionController:
         prompt_tokens: Sequence[int],
         priority: int = 0,
         deadline: float | None = None,
-        slot_wait_s: float = 0.0,
     ) -> Decision:
         """Admit a group (the n choices of one HTTP request) whole, or none of it."""
         if len(keys) != len(prompt_tokens) or not keys:
             raise ValueError("one prompt length per key, at least one key")
         now = self.clock()
-        wait = self.predicted_wait(priority, slot_wait_s)
+        wait = self.predicted_wait(priority, len(keys))
         tickets = [Ticket(k, n, priority, now) for k, n in zip(keys, prompt_tokens, strict=True)]
         if not self.config.enabled:
             self._enqueue(tickets)

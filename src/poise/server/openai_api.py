@@ -16,7 +16,14 @@ from typing import Any
 from poise.engine.errors import InvalidRequestError
 from poise.engine.outputs import RequestOutput
 from poise.engine.request import SamplingParams
-from poise.protocol import APIError, ChatCompletionRequest, CompletionRequest, new_id, now_s
+from poise.protocol import (
+    DEADLINE_HEADER,
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    new_id,
+    now_s,
+)
 from poise.server.replica import Prepared, Replica
 
 DONE = b"data: [DONE]\n\n"
@@ -310,7 +317,7 @@ async def create_completion(
         _sampling(body, body.max_tokens, body.logprobs, j) for _ in prompts for j in range(body.n)
     ]
     priority = priority_from(body.priority, headers.get("x-priority"))
-    deadline = replica.deadline_from(headers.get("x-request-deadline-ms"))
+    deadline = replica.deadline_from(headers.get(DEADLINE_HEADER))
     group = await _start(replica, expanded, samplings, priority, deadline, True)
     call = _Call(replica, group, body.n, False, new_id("cmpl"), now_s(), model)
     if body.stream:
@@ -339,7 +346,7 @@ async def create_chat_completion(
         _sampling(body, max_tokens, (top or 0) if body.logprobs else None, j) for j in range(body.n)
     ]
     priority = priority_from(body.priority, headers.get("x-priority"))
-    deadline = replica.deadline_from(headers.get("x-request-deadline-ms"))
+    deadline = replica.deadline_from(headers.get(DEADLINE_HEADER))
     # The template writes the special tokens itself.
     group = await _start(replica, [prompt] * body.n, samplings, priority, deadline, False)
     call = _Call(replica, group, body.n, True, new_id("chatcmpl"), now_s(), model)

@@ -22,7 +22,7 @@ from poise.engine.errors import EngineDeadError, InvalidRequestError
 from poise.engine.faults import FaultInjector
 from poise.engine.outputs import RequestOutput
 from poise.engine.request import Request, SamplingParams
-from poise.protocol import APIError
+from poise.protocol import APIError, deadline_budget_s
 from poise.resilience.admission import AdmissionConfig, AdmissionController
 from poise.server.metrics import EngineSnapshot, ServerMetrics
 
@@ -84,6 +84,8 @@ class Replica:
                 max_queue_wait_s=settings.max_queue_wait_s,
             ),
             clock,
+            # A lambda, not the bound method: the engine replaces its forecast after every step.
+            slot_wait=lambda position: engine.engine.forecast.wait_s(position),  # noqa: PLW0108
         )
         self.metrics = ServerMetrics(self.model_name, self.snapshot)
         self.inflight: dict[str, _InFlight] = {}
@@ -131,9 +133,7 @@ class Replica:
             healthy=healthy,
             admission_waiting=len(self.admission.waiting),
             admission_waiting_tokens=self.admission.waiting_tokens,
-            predicted_wait_s=self.admission.predicted_wait(
-                0, self.engine.engine.forecast.wait_s(self.admission.ahead(0) + 1)
-            ),
+            predicted_wait_s=self.admission.predicted_wait(0),
         )
 
     async def probe(self) -> tuple[bool, str]:
@@ -175,23 +175,10 @@ class Replica:
             raise APIError(503, f"the engine is unhealthy: {why}", code="unhealthy")
 
     def deadline_from(self, header_ms: str | None) -> float | None:
-        if header_ms is not None:
-            try:
-                ms = float(header_ms)
-            except ValueError:
-                raise APIError(
-                    400,
-                    "X-Request-Deadline-Ms must be a number of milliseconds",
-                    param="X-Request-Deadline-Ms",
-                ) from None
-            if not ms > 0 or ms > 1e10:
-                raise APIError(
-                    400, "X-Request-Deadline-Ms must be positive", param="X-Request-Deadline-Ms"
-                )
-            return self.clock() + ms / 1000.0
-        if self.settings.default_timeout_s is not None:
-            return self.clock() + self.settings.default_timeout_s
-        return None
+        budget = deadline_budget_s(header_ms)
+        if budget is None:
+            budget = self.settings.default_timeout_s
+        return None if budget is None else self.clock() + budget
 
     def prepare(
         self,
@@ -221,14 +208,11 @@ class Replica:
 
     def admit(self, group: list[Prepared], priority: int, deadline: float | None) -> None:
         """Admit the whole group or raise 429; sheds lower-priority waiting work if it must."""
-        # The last of the group needs a slot after everyone ahead and the rest of the group.
-        position = self.admission.ahead(priority) + len(group)
         decision = self.admission.admit(
             [p.request.request_id for p in group],
             [p.request.num_prompt_tokens for p in group],
             priority,
             deadline,
-            slot_wait_s=self.engine.engine.forecast.wait_s(position),
         )
         if not decision.admitted:
             reason = decision.reason or "overloaded"

@@ -18,6 +18,7 @@ from types import FrameType
 
 import uvicorn
 
+from poise.asgi import uvicorn_config
 from poise.config import ServerSettings
 from poise.server.app import EngineLoader, ServerState, create_app, load_engine
 
@@ -64,24 +65,12 @@ class DrainingServer(uvicorn.Server):
 
 
 def serve(settings: ServerSettings, loader: EngineLoader = load_engine) -> int:
-    logging.basicConfig(
-        level=settings.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
     # The engine thread runs Python between its torch calls; at the default 5 ms switch interval
     # the HTTP loop can wait that long for the interpreter, which shows in every refusal's and
     # probe's latency. 1 ms hands it over sooner at a small cost to step time.
     sys.setswitchinterval(0.001)
     app = create_app(settings, loader)
-    config = uvicorn.Config(
-        app,
-        host=settings.host,
-        port=settings.port,
-        log_level=settings.log_level,
-        access_log=False,
-        timeout_graceful_shutdown=10,
-        timeout_keep_alive=30,
-    )
+    config = uvicorn_config(app, settings.host, settings.port, settings.log_level)
     server = DrainingServer(config, app.state.poise)
     server.run()
     return server.exit_code

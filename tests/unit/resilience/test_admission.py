@@ -133,7 +133,11 @@ def test_bounds_and_token_accounting_always_hold(ops):
 
 def test_the_servers_slot_forecast_overrides_an_optimistic_start_rate():
     """A queue that starts requests quickly on average can still be a whole wave away."""
-    ac, clock = make(max_queue_wait_s=0.5)
+    clock = Clock()
+    forecast = {"wait": 0.0}
+    ac = AdmissionController(
+        AdmissionConfig(max_queue_wait_s=0.5), clock, slot_wait=lambda k: forecast["wait"]
+    )
     ac.admit(["a", "b"], [1, 1])
     clock.now += 0.1
     ac.started("a")
@@ -141,8 +145,10 @@ def test_the_servers_slot_forecast_overrides_an_optimistic_start_rate():
     ac.started("b")
     ac.admit(["c"], [1])
     assert ac.predicted_wait(0) == pytest.approx(0.1)
-    assert ac.admit(["d"], [1], slot_wait_s=0.2).admitted
-    refused = ac.admit(["e"], [1], slot_wait_s=3.0)
+    forecast["wait"] = 0.2
+    assert ac.admit(["d"], [1]).admitted
+    forecast["wait"] = 3.0
+    refused = ac.admit(["e"], [1])
     assert not refused.admitted and refused.reason == "queue_wait"
     assert refused.predicted_wait_s == pytest.approx(3.0)
     assert refused.retry_after_s == 3

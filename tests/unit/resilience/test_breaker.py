@@ -5,6 +5,12 @@ import pytest
 from poise.resilience.breaker import BreakerConfig, BreakerState, CircuitBreaker
 
 
+def calls(b, outcomes, duration_s=0.1):
+    for ok in outcomes:
+        assert b.acquire()
+        b.record(ok, duration_s)
+
+
 def make(clock, **kw):
     changes = []
     cfg = BreakerConfig(**{"min_calls": 4, "window_size": 10, "open_s": 5, **kw})
@@ -33,9 +39,7 @@ def test_slow_calls_open_it_too(clock):
 
 def test_half_open_lets_a_few_probes_and_closes_on_success(clock):
     b, changes = make(clock, half_open_calls=2)
-    for _ in range(4):
-        b.acquire()
-        b.record(False, 0.1)
+    calls(b, [False] * 4)
     clock.advance(4.9)
     assert not b.allows()
     clock.advance(0.2)
@@ -47,8 +51,7 @@ def test_half_open_lets_a_few_probes_and_closes_on_success(clock):
     b.record(True, 0.1)
     assert b.state is BreakerState.CLOSED
     # The old failures were forgotten: one new failure does not reopen it.
-    b.acquire()
-    b.record(False, 0.1)
+    calls(b, [False])
     assert b.state is BreakerState.CLOSED
     assert [c[1] for c in changes] == [
         BreakerState.OPEN,
@@ -59,9 +62,7 @@ def test_half_open_lets_a_few_probes_and_closes_on_success(clock):
 
 def test_a_failed_probe_reopens_and_waits_again(clock):
     b, _ = make(clock, half_open_calls=1)
-    for _ in range(4):
-        b.acquire()
-        b.record(False, 0.1)
+    calls(b, [False] * 4)
     clock.advance(5)
     assert b.acquire()
     b.record(False, 0.1)
@@ -72,9 +73,7 @@ def test_a_failed_probe_reopens_and_waits_again(clock):
 
 def test_an_abandoned_probe_gives_its_permit_back(clock):
     b, _ = make(clock, half_open_calls=1)
-    for _ in range(4):
-        b.acquire()
-        b.record(False, 0.1)
+    calls(b, [False] * 4)
     clock.advance(5)
     assert b.acquire()
     assert not b.acquire()
@@ -84,15 +83,9 @@ def test_an_abandoned_probe_gives_its_permit_back(clock):
 
 def test_old_failures_age_out_of_the_window(clock):
     b, _ = make(clock, window_s=10)
-    for _ in range(3):
-        b.acquire()
-        b.record(False, 0.1)
+    calls(b, [False] * 3)
     clock.advance(11)
-    for _ in range(3):
-        b.acquire()
-        b.record(True, 0.1)
-    b.acquire()
-    b.record(False, 0.1)
+    calls(b, [True] * 3 + [False])
     assert b.state is BreakerState.CLOSED  # 1 failure in 4 recent calls
 
 
