@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -41,11 +42,21 @@ class ServerProcess:
         cmd = serve_argv(str(model), self.port, "--served-model-name", "m", *flags)
         env = {k: v for k, v in os.environ.items() if not k.startswith("POISE_")}
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        self._engine_pid: int | None = None
         if ready:
             self.wait_ready()
 
     def wait_ready(self, timeout: float = 120.0) -> None:
         wait_ready(self.url + "/ready", self.proc, self.log, "server", timeout)
+        self.engine_pid = engine_core_pid(self.proc.pid)
+
+    @property
+    def engine_pid(self) -> int | None:
+        return self._engine_pid
+
+    @engine_pid.setter
+    def engine_pid(self, pid: int | None) -> None:
+        self._engine_pid = pid
 
     def log(self) -> str:
         self._log.flush()
@@ -82,5 +93,26 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(10)
+        if self._engine_pid is not None:  # it ends by itself when the server goes; make sure
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self._engine_pid, signal.SIGKILL)
         self._log.close()
         return self.proc.returncode
+
+
+def engine_core_pid(server_pid: int) -> int | None:
+    """The pid of the server's engine core process (a multiprocessing child), if it has one."""
+    children = []  # each thread's own children: the core is started from a loader thread
+    for task in Path(f"/proc/{server_pid}/task").glob("*"):
+        try:
+            children += (task / "children").read_text().split()
+        except OSError:
+            continue
+    for child in children:
+        try:
+            cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"spawn_main" in cmdline:
+            return int(child)
+    return None

@@ -66,6 +66,8 @@ def _serve(args: argparse.Namespace) -> int:
         flags["admission_control"] = False
     if args.enable_fault_injection:
         flags["enable_fault_injection"] = True
+    if args.engine_in_thread:
+        flags["engine_process"] = False
     try:
         settings = load_settings(flags, args.config)
     except ConfigError as exc:
@@ -95,6 +97,11 @@ def _add_serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int)
     p.add_argument("--max-model-len", type=int)
     p.add_argument("--engine-niceness", type=int, help="nice value added to engine threads")
+    p.add_argument(
+        "--engine-in-thread",
+        action="store_true",
+        help="run the step loop in a thread of the HTTP process, not a process of its own",
+    )
     p.add_argument("--max-waiting-requests", type=int)
     p.add_argument("--max-waiting-tokens", type=int)
     p.add_argument("--max-queue-wait-s", type=float, help="refuse what would queue longer")

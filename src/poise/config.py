@@ -46,6 +46,8 @@ class ServerSettings(BaseModel):
     seed: int = 0
     # Added to the engine threads' nice value so the HTTP loop preempts them (0: off).
     engine_niceness: int = Field(default=10, ge=0, le=19)
+    # The step loop in a process of its own (as vLLM's engine core), not a thread of the HTTP one.
+    engine_process: bool = True
 
     # admission and deadlines
     admission_control: bool = True

@@ -4,6 +4,8 @@ a dying engine, SIGTERM. Each asserts what a client or an operator would see."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -235,6 +237,47 @@ def test_engine_death_fails_health_and_exits_nonzero(start_server):
         pass
     assert server.proc.wait(30) == 1
     assert seen_unhealthy.is_set() or "engine loop died" in server.log()
+
+
+def test_engine_core_killed_ends_streams_fails_health_and_exits_nonzero(start_server):
+    server = start_server()
+    assert server.engine_pid is not None, "the engine runs in a process of its own"
+    server.faults(step_delay_s=0.05)
+    with httpx.stream(
+        "POST", server.url + "/v1/completions", json={**LONG, "stream": True}, timeout=30
+    ) as r:
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: ")
+        os.kill(server.engine_pid, signal.SIGKILL)
+        events = [line[6:] for line in lines if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert "engine core process exited (killed by signal 9)" in error["message"]
+    health = httpx.get(server.url + "/health", timeout=2)
+    assert health.status_code == 503 and "killed by signal 9" in health.json()["reason"]
+    assert server.proc.wait(30) == 1
+
+
+def test_stopped_engine_core_fails_health_while_http_answers(start_server):
+    server = start_server("--watchdog-stall-s", "1")
+    pid = server.engine_pid
+    assert pid is not None
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        with ThreadPoolExecutor(1) as pool:  # work for the frozen engine, so it is "stalled"
+            pending = pool.submit(post, server, {"prompt": "x", "max_tokens": 2}, 30)
+            assert wait_until(
+                lambda: httpx.get(server.url + "/health", timeout=2).status_code == 503, 10
+            )
+            t0 = time.perf_counter()
+            ready = httpx.get(server.url + "/ready", timeout=2)
+            assert ready.status_code == 503 and time.perf_counter() - t0 < 1.0
+            assert "no progress" in httpx.get(server.url + "/health").json()["reason"]
+            os.kill(pid, signal.SIGCONT)
+            assert pending.result(30).status_code == 200
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert wait_until(lambda: httpx.get(server.url + "/health").status_code == 200, 10)
 
 
 def test_api_keys(start_server):

@@ -1,63 +1,52 @@
-"""The engine for an asyncio server: the step loop in its own thread, outputs as async streams.
+"""The engine's step loop in a thread of this process, behind the ``EngineClient`` interface.
 
-The loop thread owns the ``LLMEngine``; other threads reach it only through the command queue
-(add, abort), so scheduler state is never shared. Validation runs in the caller's thread
-(``LLMEngine.prepare_request`` is side-effect free), so bad input fails at once. A consumer
-that stops iterating (client gone, task cancelled) aborts its request, which frees its blocks
-at the next step. ``last_progress`` lets a watchdog tell a working loop from a stuck one.
+For tests, notebooks and embedding; the server runs the loop in a process of its own
+(``process_engine``) so that it never competes with the HTTP loop for the interpreter.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import queue
 import threading
-import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from typing import Any
 
+from poise.engine.client import EngineClient
 from poise.engine.engine import LLMEngine
-from poise.engine.errors import EngineDeadError
-from poise.engine.outputs import RequestOutput
-from poise.engine.request import Request, SamplingParams
+from poise.engine.faults import FaultInjector
+from poise.engine.outputs import EngineStats, RequestOutput
+from poise.engine.request import Request
+from poise.engine.step_loop import StepLoop, lower_thread_priority
 
 log = logging.getLogger("poise.engine")
 
 
-@dataclass(slots=True)
-class _Stream:
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue[RequestOutput | BaseException]
+class AsyncEngine(EngineClient):
+    """The step loop in a thread of this process."""
 
-
-class AsyncEngine:
-    def __init__(self, engine: LLMEngine, idle_wait_s: float = 0.05, niceness: int = 0) -> None:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        idle_wait_s: float = 0.05,
+        niceness: int = 0,
+        fault_injection: bool = False,
+    ) -> None:
+        super().__init__(engine.intake)
         self.engine = engine
-        self._commands: queue.SimpleQueue[tuple[str, Request | str, str | None]] = (
-            queue.SimpleQueue()
-        )
-        self._wake = threading.Event()
-        self._stop = threading.Event()
-        self._streams: dict[str, _Stream] = {}
-        self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
-        self._idle_wait_s = idle_wait_s
         self.niceness = niceness
-        self.dead_reason: str | None = None
-        self._last_turn = time.monotonic()  # every loop turn, idle or not; for a watchdog
+        if fault_injection:
+            engine.faults = FaultInjector()
+        self._loop = StepLoop(engine, self, idle_wait_s)
+        self._thread: threading.Thread | None = None
 
-    # ----- owner -----
     def start(self) -> None:
         if self._thread is not None:
             return
-        self._thread = threading.Thread(target=self._loop, name="poise-engine", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="poise-engine", daemon=True)
         self._thread.start()
 
     async def aclose(self) -> None:
-        self._stop.set()
-        self._wake.set()
+        self._loop.stop()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join)
             self._thread = None
@@ -68,140 +57,35 @@ class AsyncEngine:
 
     @property
     def last_progress(self) -> float:
-        """Monotonic time the loop last finished a turn (a step, or an idle wait)."""
-        return self._last_turn
+        return self._loop.last_turn
 
-    @property
-    def has_work(self) -> bool:
-        return bool(self._streams)
-
-    # ----- requests -----
-    def prepare(
-        self,
-        prompt: str | list[int],
-        sampling: SamplingParams,
-        request_id: str | None = None,
-        priority: int = 0,
-        deadline: float | None = None,
-        add_special_tokens: bool = True,
-        is_probe: bool = False,
-    ) -> tuple[Request, str | None]:
-        """Validate and tokenize in the caller's thread; raises on bad input, submits nothing."""
-        if not self.is_alive:
-            raise EngineDeadError(self.dead_reason or "the engine is not running")
-        return self.engine.prepare_request(
-            prompt, sampling, request_id, priority, deadline, add_special_tokens, is_probe
-        )
-
-    async def stream(self, request: Request, text: str | None) -> AsyncIterator[RequestOutput]:
-        """Submit a prepared request; its outputs until it finishes. Leaving early aborts it."""
-        if not self.is_alive:
-            raise EngineDeadError(self.dead_reason or "the engine is not running")
-        rid = request.request_id
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
-        with self._lock:
-            self._streams[rid] = stream
-        if self.dead_reason is not None:  # died while we registered: nobody would answer
-            with self._lock:
-                self._streams.pop(rid, None)
-            raise EngineDeadError(self.dead_reason)
-        self._commands.put(("add", request, text))
-        self._wake.set()
-        finished = False
-        try:
-            while True:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
-                    finished = True  # it never entered the engine, or the engine is gone
-                    raise item
-                finished = item.finished
-                yield item
-                if finished:
-                    return
-        finally:
-            with self._lock:
-                self._streams.pop(rid, None)
-            if not finished:
-                self.abort(rid)
-
-    async def generate(
-        self,
-        prompt: str | list[int],
-        sampling: SamplingParams,
-        request_id: str | None = None,
-        priority: int = 0,
-        deadline: float | None = None,
-        add_special_tokens: bool = True,
-        is_probe: bool = False,
-    ) -> AsyncIterator[RequestOutput]:
-        request, text = self.prepare(
-            prompt, sampling, request_id, priority, deadline, add_special_tokens, is_probe
-        )
-        async for out in self.stream(request, text):
-            yield out
+    def _submit(self, request: Request, text: str | None) -> None:
+        self._loop.add(request, text)
 
     def abort(self, request_id: str) -> None:
-        self._commands.put(("abort", request_id, None))
-        self._wake.set()
+        self._loop.abort(request_id)
 
-    # ----- the loop thread -----
-    def _deliver(self, rid: str, item: RequestOutput | BaseException) -> None:
-        with self._lock:
-            stream = self._streams.get(rid)
-        if stream is not None:
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+    async def configure_faults(self, **settings: Any) -> dict[str, Any]:
+        faults = self.engine.faults
+        if faults is None:
+            raise RuntimeError("fault injection is not enabled for this engine")
+        faults.configure(**settings)
+        return faults.snapshot()
 
-    def _drain_commands(self) -> None:
-        while True:
-            try:
-                kind, payload, text = self._commands.get_nowait()
-            except queue.Empty:
-                return
-            if kind == "add":
-                assert isinstance(payload, Request)
-                try:
-                    self.engine.add_request(payload, text)
-                except Exception as exc:
-                    self._deliver(payload.request_id, exc)
-            else:
-                assert isinstance(payload, str)
-                self.engine.abort_request(payload)
+    # ----- OutputSink, called on the loop thread -----
+    def deliver(self, outputs: list[RequestOutput], stats: EngineStats) -> None:
+        self.stats = stats
+        for out in outputs:
+            self._deliver(out.request_id, out, threadsafe=True)
 
-    def _loop(self) -> None:
+    def refuse(self, request_id: str, error: Exception) -> None:
+        self._deliver(request_id, error, threadsafe=True)
+
+    def _run(self) -> None:
         if self.niceness:
             lower_thread_priority(self.niceness)
         try:
-            while not self._stop.is_set():
-                self._last_turn = time.monotonic()
-                self._drain_commands()
-                for out in self.engine.take_finished_outputs():
-                    self._deliver(out.request_id, out)
-                if not self.engine.has_unfinished:
-                    self._wake.wait(self._idle_wait_s)
-                    self._wake.clear()
-                    continue
-                for out in self.engine.step():
-                    self._deliver(out.request_id, out)
-        except BaseException as exc:  # the loop itself broke: nobody may wait forever
+            self._loop.run()
+        except BaseException as exc:
             log.exception("engine loop died")
-            self.dead_reason = f"engine loop died: {exc!r}"
-            with self._lock:
-                rids = list(self._streams)
-            for rid in rids:
-                self._deliver(rid, EngineDeadError(self.dead_reason))
-
-
-def lower_thread_priority(niceness: int) -> None:
-    """Make the calling thread (and the compute threads it will spawn) yield the CPU sooner.
-
-    On a machine with few cores the step loop's compute threads keep every core busy; an HTTP
-    loop that wakes up to answer a probe or refuse a request then waits for a time slice. A
-    higher nice value for the engine's threads lets the scheduler preempt them at once, at the
-    cost of throughput only while the HTTP side actually has work. Linux applies nice per
-    thread and threads inherit it, so this must run before the first parallel region.
-    """
-    try:
-        tid = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + niceness)
-    except (AttributeError, OSError) as exc:  # not Linux, or not permitted: run as we are
-        log.warning("could not lower the engine thread's priority: %s", exc)
+            self._fail_all(f"engine loop died: {exc!r}", threadsafe=True)

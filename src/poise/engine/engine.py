@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,10 +18,11 @@ from poise.engine.config import EngineConfig
 from poise.engine.errors import InvalidRequestError
 from poise.engine.faults import FaultInjector
 from poise.engine.forecast import IDLE_FORECAST, SlotForecast, SlotForecaster
+from poise.engine.intake import IntakeLimits, RequestFactory
 from poise.engine.kernels import load_paged_decode_attention
 from poise.engine.kv_cache import KVCacheManager, kv_bytes_per_token, num_blocks_for_budget
 from poise.engine.models.loader import load_model
-from poise.engine.outputs import CompletionOutput, RequestOutput
+from poise.engine.outputs import CompletionOutput, EngineStats, RequestOutput
 from poise.engine.request import Request, RequestStatus, SamplingParams
 from poise.engine.runner import ModelRunner
 from poise.engine.scheduler import Scheduler, SchedulerConfig
@@ -40,17 +40,6 @@ class _Tracked:
     emitted_tokens: int = 0
     first_token_time: float | None = None
     stop_reason: str | int | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    kv_usage: float  # share of the pool held by live requests
-    num_free_blocks: int
-    num_blocks: int
-    prefix_cache_hit_rate: float
-    num_preemptions: int
 
 
 @dataclass(slots=True)
@@ -112,6 +101,14 @@ class LLMEngine:
             self.config.seed,
             load_paged_decode_attention() if self.config.native_kernels else None,
         )
+        self.limits = IntakeLimits(
+            self.max_model_len,
+            mc.vocab_size,
+            self.eos_token_ids,
+            num_blocks,
+            self.config.block_size,
+        )
+        self.intake = RequestFactory(self.tokenizer, self.limits, clock)
         self._tracked: dict[str, _Tracked] = {}
         self.timing = StepTiming(last_step_end=clock())
         self._forecaster = SlotForecaster(self.scheduler.config.max_num_seqs)
@@ -131,45 +128,9 @@ class LLMEngine:
         is_probe: bool = False,
     ) -> tuple[Request, str | None]:
         """Validate and tokenize; touches no shared state, so any thread may call it."""
-        if isinstance(prompt, str):
-            text: str | None = prompt
-            ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
-        else:
-            text, ids = None, list(prompt)
-            vocab = self.model.config.vocab_size
-            if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
-                raise InvalidRequestError(
-                    f"prompt token ids must be integers in [0, {vocab})", param="prompt"
-                )
-        if not ids:
-            raise InvalidRequestError("the prompt is empty", param="prompt")
-        room = self.max_model_len - len(ids)
-        if room < 1:
-            raise InvalidRequestError(
-                f"the prompt has {len(ids)} tokens but this model's context is "
-                f"{self.max_model_len} tokens",
-                param="prompt",
-            )
-        max_tokens = sampling.max_tokens if sampling.max_tokens is not None else room
-        if max_tokens > room:
-            raise InvalidRequestError(
-                f"prompt ({len(ids)} tokens) plus max_tokens ({max_tokens}) exceeds this "
-                f"model's context of {self.max_model_len} tokens",
-                param="max_tokens",
-            )
-        request = Request(
-            request_id=request_id or uuid.uuid4().hex,
-            prompt_token_ids=ids,
-            sampling=sampling,
-            arrival_time=self.clock(),
-            max_tokens=max_tokens,
-            eos_token_ids=self.eos_token_ids,
-            priority=priority,
-            deadline=deadline,
-            is_probe=is_probe,
+        return self.intake.prepare(
+            prompt, sampling, request_id, priority, deadline, add_special_tokens, is_probe
         )
-        self.scheduler.check_fits(request)
-        return request, text
 
     def add_request(self, request: Request, prompt: str | None = None) -> None:
         self.scheduler.add_request(request)
@@ -204,8 +165,11 @@ class LLMEngine:
             kv_usage=self.kv.usage,
             num_free_blocks=self.kv.num_free_blocks,
             num_blocks=self.kv.num_blocks,
-            prefix_cache_hit_rate=self.kv.stats.hit_rate,
             num_preemptions=self.scheduler.num_preemptions_total,
+            prefix_queried_tokens=self.kv.stats.queried_tokens,
+            prefix_hit_tokens=self.kv.stats.hit_tokens,
+            step_errors=len(self.timing.failures),
+            forecast=self.forecast,
         )
 
     # ----- one step -----

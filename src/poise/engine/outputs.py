@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from poise.engine.forecast import IDLE_FORECAST, SlotForecast
+
 
 @dataclass(slots=True)
 class CompletionOutput:
@@ -29,3 +31,19 @@ class RequestOutput:
     arrival_time: float = 0.0
     first_token_time: float | None = None
     finished_time: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """The engine's state as a front end shows it; taken between steps, never mutated."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_usage: float = 0.0  # share of the pool held by live requests
+    num_free_blocks: int = 0
+    num_blocks: int = 0
+    num_preemptions: int = 0
+    prefix_queried_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    step_errors: int = 0
+    forecast: SlotForecast = IDLE_FORECAST

@@ -24,7 +24,8 @@ import bisect
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from poise.engine.errors import InvalidRequestError, RequestTooLargeError
+from poise.engine.errors import InvalidRequestError
+from poise.engine.intake import check_fits
 from poise.engine.kv_cache import KVCacheManager
 from poise.engine.request import Request, RequestStatus, SamplingParams
 
@@ -82,15 +83,7 @@ class Scheduler:
 
     # ----- intake -----
     def check_fits(self, request: Request) -> None:
-        """Refuse at once what can never fit the pool, however idle the engine is."""
-        need = self.kv.blocks_needed(request.num_prompt_tokens + request.max_tokens)
-        if need > self.kv.num_blocks:
-            raise RequestTooLargeError(
-                f"prompt ({request.num_prompt_tokens} tokens) plus max_tokens "
-                f"({request.max_tokens}) needs {need} KV blocks of {self.kv.block_size} tokens, "
-                f"but the whole pool has {self.kv.num_blocks}",
-                param="max_tokens",
-            )
+        check_fits(request, self.kv.num_blocks, self.kv.block_size)
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:

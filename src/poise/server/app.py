@@ -25,7 +25,7 @@ from poise import __version__
 from poise.asgi import ClientGoneError, EventStreamResponse, GuardMiddleware
 from poise.asgi import unless_disconnected as _unless_disconnected
 from poise.config import ServerSettings
-from poise.engine.async_engine import AsyncEngine
+from poise.engine.client import EngineClient
 from poise.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -38,12 +38,11 @@ from poise.server.replica import Phase, Replica
 
 log = logging.getLogger("poise.server")
 
-EngineLoader = Callable[[ServerSettings], AsyncEngine]
+EngineLoader = Callable[[ServerSettings], EngineClient]
 
 
-def load_engine(settings: ServerSettings) -> AsyncEngine:
+def load_engine(settings: ServerSettings) -> EngineClient:
     from poise.engine.config import EngineConfig
-    from poise.engine.engine import LLMEngine
 
     config = EngineConfig(
         dtype=settings.dtype,
@@ -58,7 +57,24 @@ def load_engine(settings: ServerSettings) -> AsyncEngine:
         seed=settings.seed,
         native_kernels=settings.native_kernels,
     )
-    return AsyncEngine(LLMEngine(settings.model, config), niceness=settings.engine_niceness)
+    if settings.engine_process:
+        from poise.engine.process_engine import ProcessEngine
+
+        return ProcessEngine(
+            settings.model,
+            config,
+            niceness=settings.engine_niceness,
+            fault_injection=settings.enable_fault_injection,
+            log_level=settings.log_level,
+        )
+    from poise.engine.async_engine import AsyncEngine  # torch in this process
+    from poise.engine.engine import LLMEngine
+
+    return AsyncEngine(
+        LLMEngine(settings.model, config),
+        niceness=settings.engine_niceness,
+        fault_injection=settings.enable_fault_injection,
+    )
 
 
 class FaultSettings(BaseModel):
@@ -176,7 +192,7 @@ def create_app(settings: ServerSettings, loader: EngineLoader = load_engine) -> 
     @app.get("/v1/models")
     async def models() -> ModelList:
         replica = state.replica
-        max_len = replica.engine.engine.max_model_len if replica is not None else None
+        max_len = replica.engine.max_model_len if replica is not None else None
         return ModelList(data=[ModelCard(id=settings.model_name, max_model_len=max_len)])
 
     @app.get("/health")
@@ -221,16 +237,12 @@ def create_app(settings: ServerSettings, loader: EngineLoader = load_engine) -> 
 
         @app.post("/admin/faults")
         async def set_faults(body: FaultSettings) -> dict[str, Any]:
-            faults = state.require().faults
-            assert faults is not None
-            faults.configure(body.step_delay_s, body.fail_steps, body.stall_s, body.kill_loop)
-            return faults.snapshot()
+            return await state.require().engine.configure_faults(**body.model_dump())
 
         @app.delete("/admin/faults")
         async def clear_faults() -> dict[str, Any]:
-            faults = state.require().faults
-            assert faults is not None
-            faults.clear()
-            return faults.snapshot()
+            return await state.require().engine.configure_faults(
+                step_delay_s=0.0, fail_steps=0, stall_s=0.0, kill_loop=False
+            )
 
     return app

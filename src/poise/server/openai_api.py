@@ -91,7 +91,7 @@ class _Call:
         return sum(p.request.num_prompt_tokens for p in self.group[:: self.n])
 
     def token_text(self, token_id: int) -> str:
-        return self.replica.engine.engine.tokenizer.decode([token_id], skip_special_tokens=False)
+        return self.replica.engine.tokenizer.decode([token_id], skip_special_tokens=False)
 
     def completion_logprobs(self, entries: list[dict[int, float]], offset: int) -> dict[str, Any]:
         tokens, token_lps, tops, offsets = [], [], [], []
@@ -323,7 +323,7 @@ async def create_completion(
     if body.stream:
         include = bool(body.stream_options and body.stream_options.include_usage)
         return await _stream(call, body.logprobs, include)
-    tokenizer = replica.engine.engine.tokenizer
+    tokenizer = replica.engine.tokenizer
     echo = [p if isinstance(p, str) else tokenizer.decode(p) for p in prompts] if body.echo else []
     return await _collect(call, body.logprobs, echo)
 
@@ -332,7 +332,7 @@ async def create_chat_completion(
     replica: Replica, body: ChatCompletionRequest, headers: Mapping[str, str]
 ) -> dict[str, Any] | AsyncIterator[bytes]:
     model = _check_model(replica, body.model)
-    tokenizer = replica.engine.engine.tokenizer
+    tokenizer = replica.engine.tokenizer
     messages = [{"role": m.role, "content": m.text()} for m in body.messages]
     try:
         prompt = tokenizer.apply_chat_template(messages, body.add_generation_prompt)

@@ -17,9 +17,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from poise.config import ServerSettings
-from poise.engine.async_engine import AsyncEngine
+from poise.engine.client import EngineClient
 from poise.engine.errors import EngineDeadError, InvalidRequestError
-from poise.engine.faults import FaultInjector
 from poise.engine.outputs import RequestOutput
 from poise.engine.request import Request, SamplingParams
 from poise.protocol import APIError, deadline_budget_s
@@ -68,7 +67,7 @@ class Replica:
     def __init__(
         self,
         settings: ServerSettings,
-        engine: AsyncEngine,
+        engine: EngineClient,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.settings = settings
@@ -84,15 +83,11 @@ class Replica:
                 max_queue_wait_s=settings.max_queue_wait_s,
             ),
             clock,
-            # A lambda, not the bound method: the engine replaces its forecast after every step.
-            slot_wait=lambda position: engine.engine.forecast.wait_s(position),  # noqa: PLW0108
+            # A lambda, not the bound method: the engine replaces its stats after every step.
+            slot_wait=lambda position: engine.stats.forecast.wait_s(position),  # noqa: PLW0108
         )
         self.metrics = ServerMetrics(self.model_name, self.snapshot)
         self.inflight: dict[str, _InFlight] = {}
-        self.faults: FaultInjector | None = None
-        if settings.enable_fault_injection:
-            self.faults = FaultInjector()
-            engine.engine.faults = self.faults
 
     # ----- health -----
     def health(self) -> tuple[bool, str]:
@@ -117,8 +112,7 @@ class Replica:
         return True, "ok"
 
     def snapshot(self) -> EngineSnapshot:
-        stats = self.engine.engine.stats()
-        kv = self.engine.engine.kv.stats
+        stats = self.engine.stats
         healthy, _ = self.health()
         busy = self.engine.has_work
         return EngineSnapshot(
@@ -126,9 +120,9 @@ class Replica:
             waiting=stats.num_waiting,
             kv_usage=stats.kv_usage,
             preemptions=stats.num_preemptions,
-            prefix_queried_tokens=kv.queried_tokens,
-            prefix_hit_tokens=kv.hit_tokens,
-            step_errors=len(self.engine.engine.timing.failures),
+            prefix_queried_tokens=stats.prefix_queried_tokens,
+            prefix_hit_tokens=stats.prefix_hit_tokens,
+            step_errors=stats.step_errors,
             seconds_since_progress=self.clock() - self.engine.last_progress if busy else 0.0,
             healthy=healthy,
             admission_waiting=len(self.admission.waiting),
@@ -145,7 +139,7 @@ class Replica:
         t0 = self.clock()
         try:
             async with asyncio.timeout(timeout):
-                ids = self.engine.engine.tokenizer.encode("ok", add_special_tokens=False) or [0]
+                ids = self.engine.tokenizer.encode("ok", add_special_tokens=False) or [0]
                 request, text = self.engine.prepare(
                     ids,
                     SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True),

@@ -1,0 +1,102 @@
+"""Turning a prompt and sampling parameters into a validated engine ``Request``.
+
+It needs only the tokenizer and a few numbers about the loaded model and its KV pool
+(``IntakeLimits``), never the weights, so a front end whose engine runs in another process
+validates and tokenizes on its own side and refuses bad input without a round trip.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from poise.engine.errors import InvalidRequestError, RequestTooLargeError
+from poise.engine.request import Request, SamplingParams
+from poise.engine.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True, slots=True)
+class IntakeLimits:
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: frozenset[int]
+    num_kv_blocks: int
+    block_size: int
+
+
+def check_fits(request: Request, num_blocks: int, block_size: int) -> None:
+    """Refuse at once what can never fit the KV pool, however idle the engine is."""
+    need = -(-(request.num_prompt_tokens + request.max_tokens) // block_size)
+    if need > num_blocks:
+        raise RequestTooLargeError(
+            f"prompt ({request.num_prompt_tokens} tokens) plus max_tokens "
+            f"({request.max_tokens}) needs {need} KV blocks of {block_size} tokens, "
+            f"but the whole pool has {num_blocks}",
+            param="max_tokens",
+        )
+
+
+class RequestFactory:
+    """Validates and tokenizes; touches no engine state, so any thread may call it."""
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        limits: IntakeLimits,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.limits = limits
+        self.clock = clock
+
+    def prepare(
+        self,
+        prompt: str | list[int],
+        sampling: SamplingParams,
+        request_id: str | None = None,
+        priority: int = 0,
+        deadline: float | None = None,
+        add_special_tokens: bool = True,
+        is_probe: bool = False,
+    ) -> tuple[Request, str | None]:
+        lim = self.limits
+        if isinstance(prompt, str):
+            text: str | None = prompt
+            ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+        else:
+            text, ids = None, list(prompt)
+            if any(not isinstance(t, int) or not 0 <= t < lim.vocab_size for t in ids):
+                raise InvalidRequestError(
+                    f"prompt token ids must be integers in [0, {lim.vocab_size})", param="prompt"
+                )
+        if not ids:
+            raise InvalidRequestError("the prompt is empty", param="prompt")
+        room = lim.max_model_len - len(ids)
+        if room < 1:
+            raise InvalidRequestError(
+                f"the prompt has {len(ids)} tokens but this model's context is "
+                f"{lim.max_model_len} tokens",
+                param="prompt",
+            )
+        max_tokens = sampling.max_tokens if sampling.max_tokens is not None else room
+        if max_tokens > room:
+            raise InvalidRequestError(
+                f"prompt ({len(ids)} tokens) plus max_tokens ({max_tokens}) exceeds this "
+                f"model's context of {lim.max_model_len} tokens",
+                param="max_tokens",
+            )
+        request = Request(
+            request_id=request_id or uuid.uuid4().hex,
+            prompt_token_ids=ids,
+            sampling=sampling,
+            arrival_time=self.clock(),
+            max_tokens=max_tokens,
+            eos_token_ids=lim.eos_token_ids,
+            priority=priority,
+            deadline=deadline,
+            is_probe=is_probe,
+        )
+        check_fits(request, lim.num_kv_blocks, lim.block_size)
+        return request, text
