@@ -64,6 +64,24 @@ class APIError(Exception):
 
 
 DEADLINE_HEADER = "x-request-deadline-ms"
+# Asks a poise replica to put a note before each streamed event: the event's new token ids and
+# the characters of text sent so far. The gateway strips the notes and, should the stream
+# break, resumes the generation on another replica from exactly there (``poise_resume``).
+STREAM_TOKENS_HEADER = "x-poise-stream-tokens"
+TOKEN_NOTE_PREFIX = b": poise-tokens "
+
+
+def token_note(token_ids: list[int], text_chars: int) -> bytes:
+    """An SSE comment line (clients ignore those) saying where a stream stands."""
+    return TOKEN_NOTE_PREFIX + ",".join(map(str, token_ids)).encode() + b" %d\n" % text_chars
+
+
+def parse_token_note(line: bytes) -> tuple[list[int], int]:
+    """``token_note``'s inverse; raises ValueError on anything else."""
+    ids, chars = line[len(TOKEN_NOTE_PREFIX) :].split(b" ")
+    return [int(t) for t in ids.split(b",") if t], int(chars)
+
+
 _MAX_DEADLINE_MS = 1e10
 
 
@@ -85,6 +103,16 @@ def deadline_budget_s(header_ms: str | None) -> float | None:
 
 
 # ----- requests -----
+
+
+class ResumeState(BaseModel):
+    """Where a broken stream stood, as the gateway saw it in ``STREAM_TOKENS_HEADER`` notes."""
+
+    model_config = ConfigDict(extra="forbid")
+    token_ids: list[int] = Field(max_length=1 << 20)
+    text_chars: int = Field(ge=0)
+    id: str | None = Field(default=None, max_length=200)
+    created: int | None = None
 
 
 class _Request(BaseModel):
@@ -109,6 +137,8 @@ class _Request(BaseModel):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     priority: int | None = Field(default=None, ge=-(2**31), le=2**31 - 1)
+    # poise's own: continue a stream another replica began (the gateway's mid-stream failover)
+    poise_resume: ResumeState | None = None
 
 
 class StreamOptions(BaseModel):

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from poise.engine.errors import EngineDeadError
-from poise.engine.intake import RequestFactory
+from poise.engine.intake import RequestFactory, Resume
 from poise.engine.outputs import EngineStats, RequestOutput
 from poise.engine.request import Request, SamplingParams
 from poise.engine.tokenizer import Tokenizer
@@ -91,12 +91,13 @@ class EngineClient(ABC):
         deadline: float | None = None,
         add_special_tokens: bool = True,
         is_probe: bool = False,
+        resume: Resume | None = None,
     ) -> tuple[Request, str | None]:
         """Validate and tokenize in the caller's thread; raises on bad input, submits nothing."""
         if not self.is_alive:
             raise EngineDeadError(self.dead_reason or "the engine is not running")
         return self.intake.prepare(
-            prompt, sampling, request_id, priority, deadline, add_special_tokens, is_probe
+            prompt, sampling, request_id, priority, deadline, add_special_tokens, is_probe, resume
         )
 
     async def stream(self, request: Request, text: str | None) -> AsyncIterator[RequestOutput]:

@@ -135,16 +135,22 @@ class LLMEngine:
     def add_request(self, request: Request, prompt: str | None = None) -> None:
         self.scheduler.add_request(request)
         sp = request.sampling
+        detok = IncrementalDetokenizer(
+            self.tokenizer,
+            request.prompt_token_ids,
+            sp.stop,
+            sp.include_stop_str_in_output,  # type: ignore[arg-type]
+        )
+        if request.output_token_ids:  # resumed: its text so far is known, part of it sent
+            for t in request.output_token_ids:
+                detok.add_token(t)
+            detok.mark_sent(request.resume_text_chars)
         self._tracked[request.request_id] = _Tracked(
             request=request,
             prompt=prompt,
-            detok=IncrementalDetokenizer(
-                self.tokenizer,
-                request.prompt_token_ids,
-                sp.stop,
-                sp.include_stop_str_in_output,  # type: ignore[arg-type]
-            ),
+            detok=detok,
             logprobs=[] if sp.logprobs is not None else None,
+            emitted_tokens=len(request.output_token_ids),
         )
 
     def take_finished_outputs(self) -> list[RequestOutput]:

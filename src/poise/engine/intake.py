@@ -26,6 +26,14 @@ class IntakeLimits:
     block_size: int
 
 
+@dataclass(frozen=True, slots=True)
+class Resume:
+    """Where a generation stands: the tokens it produced and how much of their text was sent."""
+
+    token_ids: list[int]
+    text_chars: int = 0
+
+
 def check_fits(request: Request, num_blocks: int, block_size: int) -> None:
     """Refuse at once what can never fit the KV pool, however idle the engine is."""
     need = -(-(request.num_prompt_tokens + request.max_tokens) // block_size)
@@ -60,7 +68,9 @@ class RequestFactory:
         deadline: float | None = None,
         add_special_tokens: bool = True,
         is_probe: bool = False,
+        resume: Resume | None = None,
     ) -> tuple[Request, str | None]:
+        """``resume``: continue a generation another replica began (mid-stream failover)."""
         lim = self.limits
         if isinstance(prompt, str):
             text: str | None = prompt
@@ -98,5 +108,24 @@ class RequestFactory:
             deadline=deadline,
             is_probe=is_probe,
         )
+        if resume is not None:
+            self._resume(request, resume)
         check_fits(request, lim.num_kv_blocks, lim.block_size)
         return request, text
+
+    def _resume(self, request: Request, resume: Resume) -> None:
+        ids = resume.token_ids
+        vocab = self.limits.vocab_size
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
+            raise InvalidRequestError(
+                f"resumed token ids must be integers in [0, {vocab})", param="poise_resume"
+            )
+        if len(ids) >= request.max_tokens:
+            raise InvalidRequestError(
+                f"{len(ids)} tokens to resume from leave nothing of max_tokens "
+                f"({request.max_tokens}) to generate",
+                param="poise_resume",
+            )
+        for t in ids:
+            request.append_output_token(t)
+        request.resume_text_chars = resume.text_chars

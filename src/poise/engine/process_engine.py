@@ -179,7 +179,9 @@ class ProcessEngine(EngineClient):
 
     # ----- commands -----
     def _submit(self, request: Request, text: str | None) -> None:
-        self._accumulated[request.request_id] = _Accumulated(request, text)
+        # A resumed request's outputs count the tokens it was resumed from, as in the core.
+        acc = _Accumulated(request, text, list(request.output_token_ids))
+        self._accumulated[request.request_id] = acc
         self._outbox.put(("add", request, text))
 
     def abort(self, request_id: str) -> None:

@@ -137,6 +137,7 @@ class Request:
     error: str | None = None
     first_scheduled_time: float | None = None
     is_probe: bool = False  # a health check's one-token request: skips the running cap
+    resume_text_chars: int = 0  # resumed: characters of the first outputs' text already sent
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

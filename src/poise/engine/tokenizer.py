@@ -145,6 +145,10 @@ class IncrementalDetokenizer:
                     break
         return best
 
+    def mark_sent(self, chars: int) -> None:
+        """The first ``chars`` characters were released elsewhere (a resumed generation)."""
+        self._emitted = max(0, min(chars, len(self.text)))
+
     def take_delta(self, final: bool) -> str:
         """Text not yet released; while not final, keep back what may start a stop string."""
         end = len(self.text) if final or self.stopped_by else len(self.text) - self._holdback()

@@ -21,13 +21,16 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from poise.asgi import ClientGoneError, EventStreamResponse, GuardMiddleware, unless_disconnected
+from poise.gateway.admission import PoolGate
 from poise.gateway.config import GatewaySettings, KeySettings
-from poise.gateway.forward import Attempt, Forwarder, Timeouts, Upstream, relay
+from poise.gateway.forward import Attempt, Forwarder, Timeouts, Upstream
 from poise.gateway.health import watch
+from poise.gateway.limits import GatewayLimits
 from poise.gateway.metrics import GatewayMetrics
-from poise.gateway.pool import Pool, affinity_key
-from poise.protocol import DEADLINE_HEADER, APIError, deadline_budget_s
-from poise.resilience.ratelimit import Charge, Limit, RateLimiter
+from poise.gateway.pool import Backend, Pool, affinity_key
+from poise.gateway.stream import StreamPosition, relay
+from poise.protocol import DEADLINE_HEADER, STREAM_TOKENS_HEADER, APIError, deadline_budget_s
+from poise.resilience.ratelimit import Charge, Limit
 from poise.resilience.retry import RetryBudget, RetryPolicy
 from poise.version import __version__
 
@@ -43,8 +46,15 @@ class Gateway:
             name: Pool(name, settings, self.clock, on_breaker_change=self.metrics.breaker_changed)
             for name in settings.models
         }
+        self.gates = {
+            name: PoolGate(pool, settings.admission, self.clock, self.metrics.admission_refused)
+            for name, pool in self.pools.items()
+        }
+        self.metrics.watch_gates(self.gates)
         self.keys = {k.key: k for k in settings.keys}
-        self.limiter = RateLimiter(self.clock)
+        self.limits = GatewayLimits(
+            settings.rate_limits, self.clock, on_fallback=self.metrics.ratelimit_fallback
+        )
         r = settings.retry
         self.budget = RetryBudget(r.budget_ratio, r.budget_min_concurrent)
         self.policy = RetryPolicy(r.max_retries, r.base_s, max(r.cap_s, r.base_s))
@@ -74,6 +84,7 @@ class Gateway:
     async def stop(self) -> None:
         if self.client is not None:
             await self.client.aclose()
+        await self.limits.aclose()
 
     # ----- one request -----
     def authenticate(self, request: Request) -> KeySettings | None:
@@ -118,6 +129,11 @@ def _parse(body: bytes) -> dict[str, Any]:
     if not isinstance(data.get("model"), str):
         raise APIError(400, "model is required", param="model")
     return data
+
+
+def _resumable(data: dict[str, Any]) -> bool:
+    """One streamed choice without logprobs: what a poise backend can resume mid-stream."""
+    return (data.get("n") in (None, 1)) and not data.get("logprobs") and not data.get("echo")
 
 
 def _prompt_text(data: dict[str, Any]) -> str:
@@ -178,7 +194,7 @@ def create_gateway_app(settings: GatewaySettings) -> FastAPI:
         estimate = _estimate_tokens(data, text)
         charges = gw.charges(key, model, estimate)
         if charges:
-            decision = gw.limiter.check(charges)
+            decision = await gw.limits.check(charges)
             if not decision.allowed:
                 gw.metrics.rate_limited(decision.refused_by or "")
                 raise APIError(
@@ -190,38 +206,74 @@ def create_gateway_app(settings: GatewaySettings) -> FastAPI:
         headers = {"content-type": "application/json"}
         priority = key.priority if key else 0
         if priority:
-            headers["x-priority"] = str(max(priority, int(data.get("priority") or 0)))
+            asked = data.get("priority")
+            # A client may lower its own importance below its key's, never raise it.
+            if isinstance(asked, int) and asked > priority:
+                priority = asked
+            headers["x-priority"] = str(priority)
         for name in ("traceparent", "tracestate", "x-request-id"):
             if name in request.headers:
                 headers[name] = request.headers[name]
+        gate = gw.gates[model]
+        try:
+            await unless_disconnected(request.receive, gate.enter(priority, deadline))
+        except ClientGoneError:
+            return Response(status_code=499)
         stream = data.get("stream") is True
+        resumable = stream and _resumable(data)
+        if resumable:
+            headers[STREAM_TOKENS_HEADER] = "1"
         affinity = affinity_key(text)
         gw.budget.request_started()
+
+        def ended() -> None:
+            gw.budget.request_ended()
+            gate.leave()
+
         try:
             upstream, served_by = await unless_disconnected(
                 request.receive,
                 _with_fallback(gw, model, data, raw, path, headers, deadline, stream, affinity),
             )
         except ClientGoneError:
-            gw.budget.request_ended()
+            ended()
             return Response(status_code=499)
         except BaseException:
-            gw.budget.request_ended()
+            ended()
             raise
         extra = {} if served_by == model else {"x-poise-fallback": f"model:{served_by}"}
         if upstream.body is not None:
-            gw.budget.request_ended()
+            ended()
             gw.metrics.answered(served_by, upstream.status)
             if charges and upstream.status == 200:
-                _reconcile(gw, charges, upstream.body)
+                await _reconcile(gw, charges, upstream.body)
             return Response(upstream.body, upstream.status, {**upstream.headers, **extra})
+
+        async def resume(position: StreamPosition, failed: Backend | None) -> Upstream:
+            assert gw.forwarder is not None
+            state = {
+                "token_ids": position.token_ids,
+                "text_chars": position.text_chars,
+                "id": position.id,
+                "created": position.created,
+            }
+            body = json.dumps({**data, "model": served_by, "poise_resume": state}).encode()
+            journey = Attempt(tried=[failed] if failed is not None else [])
+            return await gw.forwarder.send(
+                gw.pools[served_by], path, body, headers, deadline, True, affinity, journey
+            )
 
         async def events() -> AsyncIterator[bytes]:
             try:
-                async for chunk in relay(upstream, settings.timeouts.stream_idle_s):
+                async for chunk in relay(
+                    upstream,
+                    settings.timeouts.stream_idle_s,
+                    resume if resumable else None,
+                    on_resume=gw.metrics.stream_resumed,
+                ):
                     yield chunk
             finally:
-                gw.budget.request_ended()
+                ended()
                 gw.metrics.answered(served_by, 200)
 
         response = EventStreamResponse(events())
@@ -305,11 +357,11 @@ async def _with_fallback(
     raise last
 
 
-def _reconcile(gw: Gateway, charges: list[Charge], body: bytes) -> None:
+async def _reconcile(gw: Gateway, charges: list[Charge], body: bytes) -> None:
     try:
         used = float(json.loads(body)["usage"]["total_tokens"])
     except (ValueError, KeyError, TypeError):
         return
     for c in charges:
         if c.kind == "tokens":
-            gw.limiter.adjust(Charge(c.key, c.limit, used - c.cost, c.kind))
+            await gw.limits.adjust(Charge(c.key, c.limit, used - c.cost, c.kind))

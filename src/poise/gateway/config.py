@@ -21,6 +21,9 @@
     breaker: {failure_rate: 0.5, slow_call_rate: 0.8, slow_call_s: 10, min_calls: 10, open_s: 10}
     ejection: {consecutive_failures: 5, base_s: 30, max_s: 300, max_ejected_share: 0.5}
     health: {interval_s: 2, timeout_s: 2, healthy_after: 2, unhealthy_after: 2}
+    admission: {max_inflight_per_backend: 64, max_backend_waiting: 64, max_queue: 512,
+                queue_ttl_s: 30}                # a queue, best priority first, when saturated
+    rate_limits: {redis_url: redis://127.0.0.1:6379/0}   # shared by every gateway; optional
 
 An invalid file fails at start with every problem named by its dotted key.
 """
@@ -106,6 +109,21 @@ class HealthSettings(_Strict):
     generate_probe: bool = True  # poise backends: a real one-token generation
 
 
+class RateLimitSettings(_Strict):
+    redis_url: str | None = None  # shared limits across gateways; None: in-process only
+    redis_timeout_s: float = Field(default=0.25, gt=0)
+    redis_retry_s: float = Field(default=2.0, gt=0)  # after a failure, local limits this long
+    key_prefix: str = "poise:rl:"
+
+
+class AdmissionSettings(_Strict):
+    max_inflight_per_backend: int = Field(default=64, ge=1)
+    max_backend_waiting: float = Field(default=64, ge=0)  # a backend reporting more is full
+    max_kv_usage: float = Field(default=0.98, gt=0, le=1)
+    max_queue: int = Field(default=512, ge=0)
+    queue_ttl_s: float = Field(default=30.0, gt=0)
+
+
 class GatewaySettings(_Strict):
     host: str = "127.0.0.1"
     port: int = Field(default=8080, ge=0, le=65535)
@@ -116,6 +134,8 @@ class GatewaySettings(_Strict):
     breaker: BreakerSettings = BreakerSettings()
     ejection: EjectionSettings = EjectionSettings()
     health: HealthSettings = HealthSettings()
+    admission: AdmissionSettings = AdmissionSettings()
+    rate_limits: RateLimitSettings = RateLimitSettings()
     max_body_bytes: int = Field(default=4 << 20, ge=1024)
     log_level: str = "info"
 

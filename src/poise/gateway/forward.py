@@ -9,8 +9,8 @@ through as it is. The remaining deadline travels with each attempt as
 ``X-Request-Deadline-Ms`` so that the backend drops work nobody will wait for.
 
 A stream is committed once its first chunk has arrived: the client's 200 and headers are sent
-only then, so a backend that fails before producing anything is retried invisibly. After that a
-failure ends the stream with an SSE error event and ``[DONE]`` - never a silent truncation.
+only then, so a backend that fails before producing anything is retried invisibly. What happens
+after that is ``stream``'s business.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from poise.gateway.pool import Backend, Pool
-from poise.protocol import DEADLINE_HEADER, APIError, error_body
+from poise.protocol import DEADLINE_HEADER, APIError
 from poise.resilience.retry import RetryBudget, RetryPolicy
 
 log = logging.getLogger("poise.gateway")
@@ -265,41 +265,3 @@ HOP_HEADERS = frozenset(
 
 def _pass_headers(response: httpx.Response) -> dict[str, str]:
     return {k: v for k, v in response.headers.items() if k.lower() not in HOP_HEADERS}
-
-
-async def relay(upstream: Upstream, idle_s: float) -> AsyncIterator[bytes]:
-    """The committed stream to the client, in whole SSE events so that an error event can
-    always follow cleanly; a failure after this point ends the stream explicitly."""
-    assert upstream.chunks is not None and upstream.outcome is not None
-    ok = False
-    pending = upstream.first_chunk
-    try:
-        while True:
-            cut = pending.rfind(b"\n\n")
-            if cut >= 0:
-                yield pending[: cut + 2]
-                pending = pending[cut + 2 :]
-            try:
-                async with asyncio.timeout(idle_s):
-                    chunk = await anext(upstream.chunks, None)
-            except TimeoutError:
-                raise httpx.ReadTimeout(f"no data from the backend for {idle_s:g}s") from None
-            if chunk is None:
-                break
-            pending += chunk
-        if pending.strip():
-            yield pending
-        ok = True
-    except (httpx.TransportError, TimeoutError) as exc:
-        where = upstream.backend.url if upstream.backend else "the backend"
-        log.warning("stream from %s broke after it began: %s", where, exc)
-        upstream.outcome.done("error")
-        body = error_body(502, f"the backend failed mid-stream: {exc}", code="upstream_error")
-        yield b"data: " + json.dumps(body).encode() + b"\n\ndata: [DONE]\n\n"
-    finally:
-        if upstream.response is not None:
-            await upstream.response.aclose()
-        if ok:
-            upstream.outcome.done("ok")
-        else:
-            upstream.outcome.abandon()

@@ -9,6 +9,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from poise.resilience.breaker import BreakerState
 
 if TYPE_CHECKING:
+    from poise.gateway.admission import PoolGate
     from poise.gateway.app import Gateway
     from poise.gateway.pool import Backend
 
@@ -32,6 +33,28 @@ class GatewayMetrics:
             registry=r,
         )
         self.retries = Counter("poise_gateway_retries", "Retries made.", registry=r)
+        self.admission = Counter(
+            "poise_gateway_admission_refused",
+            "Requests refused by the gateway's admission queue, by reason.",
+            ["model", "reason"],
+            registry=r,
+        )
+        self.limits_fallback = Counter(
+            "poise_gateway_ratelimit_fallbacks",
+            "Rate-limit checks that found Redis unreachable and fell back to local limits.",
+            registry=r,
+        )
+        Gauge(
+            "poise_gateway_ratelimit_redis_up",
+            "1 while shared (Redis) rate limits answer; 0 while limits are local.",
+            registry=r,
+        ).set_function(lambda: float(self.gateway.limits.redis_up))
+        self.resumes = Counter(
+            "poise_gateway_stream_resumes",
+            "Streams continued on another backend after breaking mid-way, by result.",
+            ["result"],
+            registry=r,
+        )
         self.limited = Counter(
             "poise_gateway_rate_limited",
             "Requests refused by a rate limit.",
@@ -88,6 +111,32 @@ class GatewayMetrics:
     def retried(self, n: int) -> None:
         if n:
             self.retries.inc(n)
+
+    def watch_gates(self, gates: dict[str, PoolGate]) -> None:
+        waiting = Gauge(
+            "poise_gateway_queue_waiting",
+            "Requests waiting in the gateway's admission queue.",
+            ["model"],
+            registry=self.registry,
+        )
+        admitted = Gauge(
+            "poise_gateway_admitted",
+            "Requests let through to a pool and not yet finished.",
+            ["model"],
+            registry=self.registry,
+        )
+        for model, gate in gates.items():
+            waiting.labels(model).set_function(lambda g=gate: len(g.line))
+            admitted.labels(model).set_function(lambda g=gate: g.admitted)
+
+    def ratelimit_fallback(self) -> None:
+        self.limits_fallback.inc()
+
+    def admission_refused(self, model: str, reason: str) -> None:
+        self.admission.labels(model, reason).inc()
+
+    def stream_resumed(self, ok: bool) -> None:
+        self.resumes.labels("resumed" if ok else "failed").inc()
 
     def rate_limited(self, limit: str) -> None:
         self.limited.labels(limit).inc()

@@ -14,15 +14,18 @@ from dataclasses import dataclass
 from typing import Any
 
 from poise.engine.errors import InvalidRequestError
+from poise.engine.intake import Resume
 from poise.engine.outputs import RequestOutput
 from poise.engine.request import SamplingParams
 from poise.protocol import (
     DEADLINE_HEADER,
+    STREAM_TOKENS_HEADER,
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
     new_id,
     now_s,
+    token_note,
 )
 from poise.server.replica import Prepared, Replica
 
@@ -85,6 +88,9 @@ class _Call:
     response_id: str
     created: int
     model: str
+    notes: bool = False  # a token note before each event (for the gateway's failover)
+    sent_chars: int = 0  # resumed: characters the client already has
+    resumed: bool = False
 
     @property
     def prompt_tokens(self) -> int:
@@ -210,6 +216,7 @@ async def _events(
     usage_field = {"usage": None} if include_usage else {}
     sent_logprobs = [0] * len(call.group)
     completion_tokens = [0] * len(call.group)
+    sent_chars = call.sent_chars
 
     def chunk(i: int, out: RequestOutput) -> bytes:
         c = out.outputs[0]
@@ -231,12 +238,19 @@ async def _events(
             choice = {"index": i, "text": c.delta_text, "logprobs": lp, "finish_reason": reason}
         if out.finished:
             choice["stop_reason"] = c.stop_reason
-        return sse({**head, "choices": [choice], **usage_field})
+        event = sse({**head, "choices": [choice], **usage_field})
+        if not call.notes:
+            return event
+        nonlocal sent_chars
+        sent_chars += len(c.delta_text)
+        return token_note(c.delta_token_ids, sent_chars) + event
 
     try:
-        if call.chat:
+        if call.chat and not call.resumed:
             for i in range(len(call.group)):
                 role = {"role": "assistant", "content": ""}
+                if call.notes:
+                    yield token_note([], sent_chars)
                 yield sse(
                     {
                         **head,
@@ -271,9 +285,10 @@ async def _start(
     priority: int,
     deadline: float | None,
     add_special_tokens: bool,
+    resume: Resume | None = None,
 ) -> list[Prepared]:
     replica.check_accepting()
-    group = replica.prepare(prompts, samplings, priority, deadline, add_special_tokens)
+    group = replica.prepare(prompts, samplings, priority, deadline, add_special_tokens, resume)
     replica.admit(group, priority, deadline)
     return group
 
@@ -301,6 +316,45 @@ def _prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str 
     raise APIError(400, "prompt must be a string, strings, token ids or lists of them", "prompt")
 
 
+def _resume(body: CompletionRequest | ChatCompletionRequest, choices: int) -> Resume | None:
+    state = body.poise_resume
+    if state is None:
+        return None
+    logprobs = body.logprobs if isinstance(body, CompletionRequest) else body.logprobs or None
+    if not body.stream or choices != 1 or logprobs is not None:
+        raise APIError(
+            400,
+            "poise_resume continues one streamed choice without logprobs",
+            param="poise_resume",
+        )
+    return Resume(state.token_ids, state.text_chars)
+
+
+def _call(
+    replica: Replica,
+    group: list[Prepared],
+    body: CompletionRequest | ChatCompletionRequest,
+    chat: bool,
+    model: str,
+    headers: Mapping[str, str],
+) -> _Call:
+    state = body.poise_resume
+    call = _Call(
+        replica,
+        group,
+        body.n,
+        chat,
+        (state and state.id) or new_id("chatcmpl" if chat else "cmpl"),
+        (state and state.created) or now_s(),
+        model,
+        notes=len(group) == 1 and headers.get(STREAM_TOKENS_HEADER) == "1",
+    )
+    if state is not None:
+        call.resumed = True
+        call.sent_chars = state.text_chars
+    return call
+
+
 async def create_completion(
     replica: Replica, body: CompletionRequest, headers: Mapping[str, str]
 ) -> dict[str, Any] | AsyncIterator[bytes]:
@@ -318,8 +372,9 @@ async def create_completion(
     ]
     priority = priority_from(body.priority, headers.get("x-priority"))
     deadline = replica.deadline_from(headers.get(DEADLINE_HEADER))
-    group = await _start(replica, expanded, samplings, priority, deadline, True)
-    call = _Call(replica, group, body.n, False, new_id("cmpl"), now_s(), model)
+    resume = _resume(body, len(expanded))
+    group = await _start(replica, expanded, samplings, priority, deadline, True, resume)
+    call = _call(replica, group, body, False, model, headers)
     if body.stream:
         include = bool(body.stream_options and body.stream_options.include_usage)
         return await _stream(call, body.logprobs, include)
@@ -347,9 +402,10 @@ async def create_chat_completion(
     ]
     priority = priority_from(body.priority, headers.get("x-priority"))
     deadline = replica.deadline_from(headers.get(DEADLINE_HEADER))
+    resume = _resume(body, body.n)
     # The template writes the special tokens itself.
-    group = await _start(replica, [prompt] * body.n, samplings, priority, deadline, False)
-    call = _Call(replica, group, body.n, True, new_id("chatcmpl"), now_s(), model)
+    group = await _start(replica, [prompt] * body.n, samplings, priority, deadline, False, resume)
+    call = _call(replica, group, body, True, model, headers)
     if body.stream:
         include = bool(body.stream_options and body.stream_options.include_usage)
         return await _stream(call, top, include)

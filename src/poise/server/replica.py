@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from poise.config import ServerSettings
 from poise.engine.client import EngineClient
 from poise.engine.errors import EngineDeadError, InvalidRequestError
+from poise.engine.intake import Resume
 from poise.engine.outputs import RequestOutput
 from poise.engine.request import Request, SamplingParams
 from poise.protocol import APIError, deadline_budget_s
@@ -181,6 +182,7 @@ class Replica:
         priority: int,
         deadline: float | None,
         add_special_tokens: bool = True,
+        resume: Resume | None = None,
     ) -> list[Prepared]:
         """Validate and tokenize every engine request of one HTTP request; nothing is queued."""
         out = []
@@ -192,6 +194,7 @@ class Replica:
                     priority=priority,
                     deadline=deadline,
                     add_special_tokens=add_special_tokens,
+                    resume=resume,
                 )
                 out.append(Prepared(request, text))
         except InvalidRequestError as exc:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -143,3 +144,69 @@ def test_kill_9_under_load_loses_no_request(gateway, replicas, llama_dir, tmp_pa
         assert after == ["ok"] * 5
     finally:
         extra.stop()
+
+
+def test_a_stream_continues_on_another_replica_when_its_replica_dies(gateway, llama_dir, tmp_path):
+    """Greedy output through a mid-stream kill -9 is the same text as an unbroken run."""
+    pair = [ServerProcess(llama_dir, tmp_path, "--enable-fault-injection") for _ in range(2)]
+    try:
+        g = gateway(models={"m": {"backends": backends(pair)}})
+        body = {"model": "m", "prompt": "The quick brown fox", "max_tokens": 80, "temperature": 0}
+        expected = httpx.post(pair[0].url + "/v1/completions", json=body, timeout=60).json()
+        for p in pair:
+            p.faults(step_delay_s=0.03)
+        events, killed = [], None
+        with httpx.stream(
+            "POST", g.url + "/v1/completions", json={**body, "stream": True}, timeout=60
+        ) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if not line.startswith("data: "):
+                    assert not line.startswith(":"), "token notes stay between gateway and replica"
+                    continue
+                events.append(line[6:])
+                if len(events) == 20 and killed is None:
+                    killed = next(p for p in pair if p.metric("vllm:num_requests_running") == 1)
+                    os.kill(killed.proc.pid, signal.SIGKILL)
+        assert killed is not None and events[-1] == "[DONE]"
+        chunks = [json.loads(e) for e in events[:-1]]
+        assert not any("error" in c for c in chunks)
+        assert {c["id"] for c in chunks} == {chunks[0]["id"]}, "one stream, one id"
+        text = "".join(c["choices"][0]["text"] for c in chunks)
+        assert text == expected["choices"][0]["text"]
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+        resumed = httpx.get(g.url + "/metrics").text
+        assert 'poise_gateway_stream_resumes_total{result="resumed"} 1.0' in resumed
+    finally:
+        for p in pair:
+            p.stop()
+
+
+def test_a_chat_stream_survives_its_replica_through_the_openai_client(gateway, llama_dir, tmp_path):
+    pair = [ServerProcess(llama_dir, tmp_path, "--enable-fault-injection") for _ in range(2)]
+    try:
+        g = gateway(models={"m": {"backends": backends(pair)}})
+        kw = {
+            "model": "m",
+            "messages": [{"role": "user", "content": "Tell me about foxes"}],
+            "max_tokens": 60,
+            "temperature": 0,
+        }
+        direct = openai.OpenAI(base_url=pair[0].url + "/v1", api_key="x", max_retries=0)
+        expected = direct.chat.completions.create(**kw).choices[0].message.content
+        for p in pair:
+            p.faults(step_delay_s=0.03)
+        via = openai.OpenAI(base_url=g.url + "/v1", api_key="x", max_retries=0)
+        parts, roles, killed = [], [], None
+        for chunk in via.chat.completions.create(**kw, stream=True):
+            delta = chunk.choices[0].delta
+            roles += [delta.role] if delta.role else []
+            parts.append(delta.content or "")
+            if len(parts) == 15 and killed is None:
+                killed = next(p for p in pair if p.metric("vllm:num_requests_running") == 1)
+                os.kill(killed.proc.pid, signal.SIGKILL)
+        assert killed is not None
+        assert "".join(parts) == expected and roles == ["assistant"]
+    finally:
+        for p in pair:
+            p.stop()

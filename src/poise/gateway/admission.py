@@ -1,0 +1,136 @@
+"""The gateway's admission queue: requests wait here, best first, while their pool is saturated.
+
+A pool is saturated when the requests the gateway has let through to it reach its capacity:
+``max_inflight_per_backend`` (times weight) for each eligible backend whose own report (waiting
+requests, KV usage) says it has room. A backend whose report is stale adds nothing, so silence
+counts as saturation; one that never reported (no Prometheus metrics) is bounded by the in-flight
+limit alone. Waiting requests are ordered by priority, then arrival (``PriorityLine``): when
+room appears, the best goes first; when the line is full, the lowest priority is shed with 429
+and ``Retry-After``; when nobody can be shed, the newcomer gets 503. A request that waits past
+the queue's TTL or its own deadline is refused too, so nobody waits unseen and forever.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Callable
+
+from poise.gateway.config import AdmissionSettings
+from poise.gateway.pool import Pool
+from poise.protocol import APIError
+from poise.resilience.priority_queue import PriorityLine, QueueConfig
+
+PUMP_INTERVAL_S = 0.02  # how often a waiting line rechecks reported load and TTLs
+
+
+class PoolGate:
+    def __init__(
+        self,
+        pool: Pool,
+        settings: AdmissionSettings,
+        clock: Callable[[], float],
+        on_refusal: Callable[[str, str], None] = lambda model, reason: None,
+    ) -> None:
+        self.pool = pool
+        self.settings = settings
+        self.clock = clock
+        self.on_refusal = on_refusal
+        self.line = PriorityLine(QueueConfig(settings.max_queue, settings.queue_ttl_s), clock)
+        self.admitted = 0  # let through and not yet finished
+        self._waiters: dict[int, asyncio.Future[None]] = {}
+        self._ids = itertools.count()
+        self._pump: asyncio.Task[None] | None = None
+
+    def capacity(self) -> float:
+        s, now = self.settings, self.clock()
+        total = 0.0
+        for b in self.pool.eligible():
+            load = b.load
+            if load.at is not None:
+                if now - load.at > self.pool.stale_after_s:
+                    continue
+                if load.waiting >= s.max_backend_waiting or load.kv_usage >= s.max_kv_usage:
+                    continue
+            total += s.max_inflight_per_backend * b.settings.weight
+        return total
+
+    @property
+    def saturated(self) -> bool:
+        return self.admitted >= self.capacity()
+
+    async def enter(self, priority: int, deadline: float) -> None:
+        """Return when the request may go to the pool (then ``leave`` once it is done)."""
+        if not self.line and not self.saturated:
+            self.admitted += 1
+            return
+        if not self.pool.eligible():  # nothing to wait for: the forwarder will say why
+            self.admitted += 1
+            return
+        ident = next(self._ids)
+        offer = self.line.offer(ident, priority)
+        if not offer.queued:
+            self.on_refusal(self.pool.model, "queue_full")
+            raise APIError(
+                503,
+                f"the gateway's queue for model {self.pool.model!r} is full "
+                f"({self.settings.max_queue} waiting)",
+                code="queue_full",
+                headers={"Retry-After": "1"},
+            )
+        for victim in offer.shed:
+            self._refuse(victim, "shed", "shed from the gateway's queue for higher-priority work")
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters[ident] = waiter
+        if self._pump is None:
+            self._pump = asyncio.create_task(self._run_pump())
+        try:
+            async with asyncio.timeout(max(0.0, deadline - self.clock())):
+                await waiter
+        except TimeoutError:
+            self._forget(ident)
+            self.on_refusal(self.pool.model, "deadline")
+            raise APIError(
+                504, "the request's deadline passed in the gateway's queue", code="timeout"
+            ) from None
+        except BaseException:  # the client left; give back a place we may already hold
+            self._forget(ident)
+            if waiter.done() and not waiter.cancelled() and waiter.exception() is None:
+                self.leave()
+            raise
+
+    def leave(self) -> None:
+        self.admitted -= 1
+        self._admit()
+
+    def _forget(self, ident: int) -> None:
+        self.line.remove(ident)
+        self._waiters.pop(ident, None)
+
+    def _refuse(self, ident: object, reason: str, message: str) -> None:
+        waiter = self._waiters.pop(ident, None)  # type: ignore[call-overload]
+        self.on_refusal(self.pool.model, reason)
+        if waiter is not None and not waiter.done():
+            waiter.set_exception(APIError(429, message, code=reason, headers={"Retry-After": "1"}))
+
+    def _admit(self) -> None:
+        while self.line and not self.saturated:
+            ident = self.line.pop()
+            waiter = self._waiters.pop(ident, None)  # type: ignore[call-overload]
+            if waiter is not None and not waiter.done():
+                self.admitted += 1
+                waiter.set_result(None)
+
+    async def _run_pump(self) -> None:
+        try:
+            while self.line:
+                self._admit()
+                for ident in self.line.expire():
+                    self._refuse(
+                        ident,
+                        "queue_ttl",
+                        f"waited longer than {self.settings.queue_ttl_s:g}s in the gateway's queue",
+                    )
+                await asyncio.sleep(PUMP_INTERVAL_S)
+        finally:
+            self._pump = None

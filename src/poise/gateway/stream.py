@@ -1,0 +1,156 @@
+"""Relaying a committed stream to the client, with mid-stream failover for poise backends.
+
+Events go to the client whole, so that an error event can always follow cleanly. A poise
+backend asked for token notes (``STREAM_TOKENS_HEADER``) puts one before each event: the
+event's new token ids and the characters of text sent so far. The relay strips the notes and
+keeps the position of what the client has received. Should the stream then break (connection
+lost, no data for ``stream_idle_s``, an error event from a dying engine, or an end without
+``[DONE]``), the relay asks for the same request on another backend, resumed from exactly that
+position (``poise_resume``): the client sees one uninterrupted stream with the same id, and
+with greedy decoding the same text as a run that never broke. A backend that sends no notes
+(vLLM, TGI, ...) cannot be resumed: its broken stream ends with an explicit error event and
+``[DONE]``. Never a silent truncation, never text twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+
+import httpx
+
+from poise.gateway.forward import Upstream
+from poise.gateway.pool import Backend
+from poise.protocol import TOKEN_NOTE_PREFIX, APIError, error_body, parse_token_note
+
+log = logging.getLogger("poise.gateway")
+
+DONE_EVENT = b"data: [DONE]\n\n"
+_ERROR_EVENT = b'data: {"error"'
+# Statuses in a backend's error event that another backend may well not share.
+_RESUMABLE_ERRORS = frozenset({500, 502, 503})
+
+
+@dataclass(slots=True)
+class StreamPosition:
+    """What the client has received so far, in the backend's own terms."""
+
+    token_ids: list[int] = field(default_factory=list)
+    text_chars: int = 0
+    id: str | None = None
+    created: int | None = None
+    noted: bool = False  # the backend sends token notes: it can be resumed
+    resumes: int = 0
+
+
+Resume = Callable[[StreamPosition, Backend | None], Awaitable[Upstream]]
+
+
+class StreamBrokeError(Exception):
+    """The backend's stream ended in a way the client must not see as an ending."""
+
+
+async def _events(upstream: Upstream, idle_s: float) -> AsyncIterator[bytes]:
+    assert upstream.chunks is not None
+    pending = upstream.first_chunk
+    while True:
+        while (cut := pending.find(b"\n\n")) >= 0:
+            yield pending[: cut + 2]
+            pending = pending[cut + 2 :]
+        try:
+            async with asyncio.timeout(idle_s):
+                chunk = await anext(upstream.chunks, None)
+        except TimeoutError:
+            raise StreamBrokeError(f"no data from the backend for {idle_s:g}s") from None
+        if chunk is None:
+            break
+        pending += chunk
+    if pending.strip():
+        yield pending
+
+
+def _backend_error(event: bytes) -> tuple[int, str]:
+    try:
+        body = json.loads(event[6:])
+        return int(body.get("status_code") or 500), str(body["error"].get("message", ""))
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return 500, event[:200].decode(errors="replace")
+
+
+async def relay(
+    upstream: Upstream,
+    idle_s: float,
+    resume: Resume | None = None,
+    max_resumes: int = 2,
+    on_resume: Callable[[bool], None] | None = None,
+) -> AsyncIterator[bytes]:
+    position = StreamPosition()
+    while True:
+        current = upstream
+        assert current.outcome is not None
+        done = ok = False
+        try:
+            async for event in _events(current, idle_s):
+                ids: list[int] | None = None
+                if event.startswith(TOKEN_NOTE_PREFIX):
+                    note, _, event = event.partition(b"\n")
+                    ids, chars = parse_token_note(note)
+                    position.noted = True
+                if position.noted and event.startswith(_ERROR_EVENT):
+                    status, message = _backend_error(event)
+                    if status in _RESUMABLE_ERRORS:
+                        why = f"the backend failed mid-stream ({status}): {message}"
+                        raise StreamBrokeError(why)
+                if event == DONE_EVENT:
+                    done = True
+                elif position.noted and position.id is None and event.startswith(b"data: {"):
+                    head = json.loads(event[6:])
+                    position.id, position.created = head.get("id"), head.get("created")
+                yield event
+                if ids is not None:
+                    position.token_ids += ids
+                    position.text_chars = chars
+            if position.noted and not done:
+                raise StreamBrokeError("the backend's stream ended without [DONE]")
+            ok = True
+            return
+        except (httpx.TransportError, StreamBrokeError, ValueError) as exc:
+            failed = current.backend
+            where = failed.url if failed else "the backend"
+            log.warning("stream from %s broke after it began: %s", where, exc)
+            current.outcome.done("error")
+            if resume is None or not position.noted or position.resumes >= max_resumes:
+                yield _error_event(502, f"the backend failed mid-stream: {exc}")
+                return
+            position.resumes += 1
+            try:
+                upstream = await resume(position, failed)
+            except APIError as err:
+                if on_resume is not None:
+                    on_resume(False)
+                yield _error_event(
+                    err.status, f"the backend failed mid-stream and could not be resumed: {err}"
+                )
+                return
+            if on_resume is not None:
+                on_resume(True)
+            log.info(
+                "resumed a stream on %s after %d tokens",
+                upstream.backend.url if upstream.backend else "?",
+                len(position.token_ids),
+            )
+        finally:
+            if current.response is not None:
+                await current.response.aclose()
+            if ok:
+                current.outcome.done("ok")
+            else:
+                current.outcome.abandon()  # no-op when already counted as an error
+
+
+def _error_event(status: int, message: str) -> bytes:
+    body = error_body(status, message, code="upstream_error")
+    return b"data: " + json.dumps(body).encode() + b"\n\n" + DONE_EVENT

@@ -1,0 +1,114 @@
+"""The gateway's admission queue over a real Pool: capacity from in-flight and reported load,
+best priority first when room appears, shedding, a full queue, deadlines and TTLs."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from poise.gateway.admission import PoolGate
+from poise.gateway.config import GatewaySettings
+from poise.gateway.pool import Pool
+from poise.protocol import APIError
+
+
+class Clock:
+    now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def gate(clock: Clock, n: int = 1, **admission) -> PoolGate:
+    backends = [{"url": f"http://127.0.0.1:{9000 + i}"} for i in range(n)]
+    settings = GatewaySettings.model_validate(
+        {"models": {"m": {"backends": backends}}, "admission": admission}
+    )
+    refusals: list[str] = []
+    g = PoolGate(
+        Pool("m", settings, clock), settings.admission, clock, lambda m, r: refusals.append(r)
+    )
+    g.refusals = refusals  # type: ignore[attr-defined]
+    return g
+
+
+async def test_capacity_counts_fresh_reports_only():
+    clock = Clock()
+    g = gate(clock, n=2, max_inflight_per_backend=4, max_backend_waiting=10)
+    assert g.capacity() == 8  # never reported: bounded by in-flight alone
+    a, b = g.pool.backends
+    a.load.at = b.load.at = clock.now
+    a.load.waiting = 12  # says it is full
+    assert g.capacity() == 4
+    clock.now += 60  # both reports go stale: silence counts as saturation
+    assert g.capacity() == 0
+
+
+async def test_waiting_requests_go_best_priority_first():
+    clock = Clock()
+    g = gate(clock, max_inflight_per_backend=1)
+    await g.enter(0, clock.now + 30)  # takes the only place
+    order: list[str] = []
+
+    async def wait(name: str, prio: int) -> None:
+        await g.enter(prio, clock.now + 30)
+        order.append(name)
+
+    tasks = [asyncio.create_task(wait("low", 5)), asyncio.create_task(wait("high", 0))]
+    await asyncio.sleep(0.01)
+    assert len(g.line) == 2 and order == []
+    g.leave()
+    await asyncio.sleep(0.01)
+    assert order == ["high"]
+    g.leave()
+    await asyncio.gather(*tasks)
+    assert order == ["high", "low"] and g.admitted == 1
+
+
+async def test_full_queue_sheds_lower_priority_with_429_and_refuses_with_503():
+    clock = Clock()
+    g = gate(clock, max_inflight_per_backend=1, max_queue=1)
+    await g.enter(0, clock.now + 30)
+    low = asyncio.create_task(g.enter(5, clock.now + 30))
+    await asyncio.sleep(0.01)
+    high = asyncio.create_task(g.enter(0, clock.now + 30))
+    await asyncio.sleep(0.01)
+    with pytest.raises(APIError) as shed:
+        await low
+    assert shed.value.status == 429 and shed.value.headers["Retry-After"] == "1"
+    with pytest.raises(APIError) as full:
+        await g.enter(3, clock.now + 30)
+    assert full.value.status == 503 and full.value.code == "queue_full"
+    g.leave()
+    await high
+    assert g.refusals == ["shed", "queue_full"]  # type: ignore[attr-defined]
+
+
+async def test_deadline_and_ttl_end_a_wait():
+    clock = Clock()
+    g = gate(clock, max_inflight_per_backend=1, queue_ttl_s=5)
+    await g.enter(0, clock.now + 30)
+    with pytest.raises(APIError) as late:
+        await g.enter(0, clock.now + 0.05)  # deadline on the injected clock, waited for real
+    assert late.value.status == 504 and len(g.line) == 0
+    waiting = asyncio.create_task(g.enter(0, clock.now + 300))
+    await asyncio.sleep(0.01)
+    clock.now += 6  # past the TTL: the pump refuses it
+    with pytest.raises(APIError) as expired:
+        await waiting
+    assert expired.value.status == 429 and expired.value.code == "queue_ttl"
+
+
+async def test_a_client_that_leaves_gives_its_place_back():
+    clock = Clock()
+    g = gate(clock, max_inflight_per_backend=1)
+    await g.enter(0, clock.now + 30)
+    waiting = asyncio.create_task(g.enter(0, clock.now + 30))
+    await asyncio.sleep(0.01)
+    waiting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    assert len(g.line) == 0 and g.admitted == 1
+    g.leave()
+    assert g.admitted == 0

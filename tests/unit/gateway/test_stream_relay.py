@@ -1,0 +1,151 @@
+"""The stream relay: token notes stripped, a broken poise stream resumed from exactly where the
+client stands, other backends' broken streams ended with an explicit error."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from poise.gateway.forward import Upstream
+from poise.gateway.stream import StreamPosition, relay
+from poise.protocol import APIError, token_note
+
+
+class FakeOutcome:
+    def __init__(self) -> None:
+        self.result: str | None = None
+
+    def done(self, outcome: str) -> None:
+        self.result = self.result or outcome
+
+    def abandon(self) -> None:
+        self.result = self.result or "abandoned"
+
+
+def event(text: str, rid: str = "cmpl-1", finish: str | None = None) -> bytes:
+    body = {
+        "id": rid,
+        "created": 7,
+        "choices": [{"index": 0, "text": text, "finish_reason": finish}],
+    }
+    return b"data: " + json.dumps(body).encode() + b"\n\n"
+
+
+def upstream(parts: list[bytes], fail_with: Exception | None = None) -> Upstream:
+    async def chunks():
+        for p in parts[1:]:
+            yield p
+        if fail_with is not None:
+            raise fail_with
+
+    return Upstream(200, {}, None, parts[0], chunks(), None, None, FakeOutcome())  # type: ignore[arg-type]
+
+
+async def collect(stream) -> bytes:
+    return b"".join([c async for c in stream])
+
+
+def texts(raw: bytes) -> list[str]:
+    out = []
+    for line in raw.split(b"\n"):
+        if line.startswith(b"data: {") and b'"choices"' in line:
+            out.append(json.loads(line[6:])["choices"][0]["text"])
+    return out
+
+
+async def test_notes_are_stripped_and_a_whole_stream_passes():
+    parts = [
+        token_note([5, 6], 3) + event("abc"),
+        token_note([7], 5) + event("de", finish="length"),
+        b"data: [DONE]\n\n",
+    ]
+    up = upstream(parts)
+    raw = await collect(relay(up, 5.0))
+    assert b"poise-tokens" not in raw
+    assert texts(raw) == ["abc", "de"] and raw.endswith(b"data: [DONE]\n\n")
+    assert up.outcome.result == "ok"
+
+
+async def test_a_broken_noted_stream_resumes_from_what_the_client_has():
+    # The break comes with half an event buffered: that event never reached the client.
+    first = upstream(
+        [token_note([5, 6], 3) + event("abc"), token_note([7], 5) + b'data: {"id"'],
+        httpx.RemoteProtocolError("peer closed"),
+    )
+    seen: list[tuple[list[int], int, str | None]] = []
+
+    async def resume(position: StreamPosition, failed) -> Upstream:
+        seen.append((list(position.token_ids), position.text_chars, position.id))
+        return upstream(
+            [
+                token_note([7], 5) + event("de"),
+                token_note([8], 6) + event("f", finish="length"),
+                b"data: [DONE]\n\n",
+            ]
+        )
+
+    resumed: list[bool] = []
+    raw = await collect(relay(first, 5.0, resume, on_resume=resumed.append))
+    assert seen == [([5, 6], 3, "cmpl-1")]
+    assert texts(raw) == ["abc", "de", "f"] and raw.endswith(b"data: [DONE]\n\n")
+    assert b'"error"' not in raw and resumed == [True]
+    assert first.outcome.result == "error"
+
+
+async def test_an_error_event_from_a_dying_engine_is_resumed_too():
+    dying = b'data: {"error":{"message":"engine core exited","code":"unhealthy"},"status_code":503}'
+    first = upstream([token_note([1], 1) + event("a"), dying + b"\n\n" + b"data: [DONE]\n\n"])
+
+    async def resume(position, failed):
+        assert position.token_ids == [1]
+        return upstream([token_note([2], 2) + event("b", finish="length"), b"data: [DONE]\n\n"])
+
+    raw = await collect(relay(first, 5.0, resume))
+    assert texts(raw) == ["a", "b"] and b"engine core exited" not in raw
+
+
+async def test_an_end_without_done_is_a_break_not_an_ending():
+    first = upstream([token_note([1], 1) + event("a")])  # clean EOF, no [DONE]
+    calls = []
+
+    async def resume(position, failed):
+        calls.append(position.token_ids)
+        raise APIError(503, "no healthy backend")
+
+    raw = await collect(relay(first, 5.0, resume))
+    assert calls == [[1]]
+    tail = raw.split(b"\n\n")
+    assert b'"error"' in tail[-3] and b"could not be resumed" in tail[-3]
+    assert raw.endswith(b"data: [DONE]\n\n")
+
+
+@pytest.mark.parametrize("resume_given", [False, True])
+async def test_a_stream_without_notes_ends_with_an_explicit_error(resume_given):
+    up = upstream([event("abc")], httpx.ReadError("reset"))
+
+    async def resume(position, failed):  # pragma: no cover - must not be called
+        raise AssertionError("a backend without notes cannot be resumed")
+
+    raw = await collect(relay(up, 5.0, resume if resume_given else None))
+    assert texts(raw) == ["abc"]
+    assert b"failed mid-stream" in raw and raw.endswith(b"data: [DONE]\n\n")
+
+
+async def test_a_stalled_stream_is_a_break():
+    async def stalled():
+        import asyncio
+
+        await asyncio.sleep(10)
+        yield b""
+
+    up = Upstream(
+        200, {}, None, token_note([1], 1) + event("a"), stalled(), None, None, FakeOutcome()
+    )  # type: ignore[arg-type]
+
+    async def resume(position, failed):
+        return upstream([token_note([2], 2) + event("b"), b"data: [DONE]\n\n"])
+
+    raw = await collect(relay(up, 0.05, resume))
+    assert texts(raw) == ["a", "b"]
