@@ -44,8 +44,9 @@ class ServerSettings(BaseModel):
     enable_prefix_caching: bool = True
     native_kernels: bool = True
     seed: int = 0
-    # Added to the engine threads' nice value so the HTTP loop preempts them (0: off).
-    engine_niceness: int = Field(default=10, ge=0, le=19)
+    # Added to the engine's nice value so that HTTP work preempts its compute threads (0: off).
+    # Nice only matters while something else wants the core, and then answering should win.
+    engine_niceness: int = Field(default=19, ge=0, le=19)
     # The step loop in a process of its own (as vLLM's engine core), not a thread of the HTTP one.
     engine_process: bool = True
 

@@ -28,6 +28,7 @@ from poise.gateway.health import watch
 from poise.gateway.limits import GatewayLimits
 from poise.gateway.metrics import GatewayMetrics
 from poise.gateway.pool import Backend, Pool, affinity_key
+from poise.gateway.response_cache import ResponseCache, cache_key
 from poise.gateway.stream import StreamPosition, relay
 from poise.protocol import DEADLINE_HEADER, STREAM_TOKENS_HEADER, APIError, deadline_budget_s
 from poise.resilience.ratelimit import Charge, Limit
@@ -51,6 +52,11 @@ class Gateway:
             for name, pool in self.pools.items()
         }
         self.metrics.watch_gates(self.gates)
+        self.caches = {
+            name: ResponseCache(m.cache_fallback.max_entries, m.cache_fallback.ttl_s, self.clock)
+            for name, m in settings.models.items()
+            if m.cache_fallback is not None
+        }
         self.keys = {k.key: k for k in settings.keys}
         self.limits = GatewayLimits(
             settings.rate_limits, self.clock, on_fallback=self.metrics.ratelimit_fallback
@@ -224,6 +230,8 @@ def create_gateway_app(settings: GatewaySettings) -> FastAPI:
         if resumable:
             headers[STREAM_TOKENS_HEADER] = "1"
         affinity = affinity_key(text)
+        cache = gw.caches.get(model)
+        ckey = cache_key(path, data) if cache is not None else None
         gw.budget.request_started()
 
         def ended() -> None:
@@ -238,6 +246,16 @@ def create_gateway_app(settings: GatewaySettings) -> FastAPI:
         except ClientGoneError:
             ended()
             return Response(status_code=499)
+        except APIError as exc:
+            ended()
+            cached = cache.get(ckey) if cache is not None and ckey is not None else None
+            if cached is None or exc.status not in (429, 502, 503):
+                raise
+            gw.metrics.fell_back(model, "cache")
+            gw.metrics.answered(model, 200)
+            log.warning("model %s: every pool failed (%s); answered from the cache", model, exc)
+            body, stored_headers = cached
+            return Response(body, 200, {**stored_headers, "x-poise-fallback": "cache"})
         except BaseException:
             ended()
             raise
@@ -245,8 +263,11 @@ def create_gateway_app(settings: GatewaySettings) -> FastAPI:
         if upstream.body is not None:
             ended()
             gw.metrics.answered(served_by, upstream.status)
-            if charges and upstream.status == 200:
-                await _reconcile(gw, charges, upstream.body)
+            if upstream.status == 200:
+                if charges:
+                    await _reconcile(gw, charges, upstream.body)
+                if cache is not None and ckey is not None and served_by == model:
+                    cache.put(ckey, upstream.body, upstream.headers)
             return Response(upstream.body, upstream.status, {**upstream.headers, **extra})
 
         async def resume(position: StreamPosition, failed: Backend | None) -> Upstream:

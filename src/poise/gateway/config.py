@@ -8,6 +8,7 @@
             weight: 2
             api_key: secret-of-that-backend
         fallback: [demo-small]          # other models to try when this pool cannot serve
+        cache_fallback: {max_entries: 1000, ttl_s: 600}   # then a stored deterministic answer
         requests_per_minute: 6000       # per-model limits (optional)
         tokens_per_minute: 2000000
     keys:                               # no keys: the gateway is open
@@ -52,9 +53,16 @@ class BackendSettings(_Strict):
         return str(self.url).rstrip("/")
 
 
+class CacheFallbackSettings(_Strict):
+    max_entries: int = Field(default=1000, ge=1)
+    ttl_s: float = Field(default=600.0, gt=0)
+
+
 class ModelSettings(_Strict):
     backends: list[BackendSettings] = Field(min_length=1)
     fallback: list[str] = Field(default_factory=list)
+    # Last resort, opt-in: the stored answer to an identical deterministic request.
+    cache_fallback: CacheFallbackSettings | None = None
     requests_per_minute: float | None = Field(default=None, gt=0)
     tokens_per_minute: float | None = Field(default=None, gt=0)
 

@@ -16,8 +16,8 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from poise.gateway.config import RateLimitSettings
+from poise.gateway.redis_gcra import RedisRateLimiter
 from poise.resilience.ratelimit import Charge, RateDecision, RateLimiter
-from poise.resilience.redis_ratelimit import RedisRateLimiter
 
 log = logging.getLogger("poise.gateway")
 

@@ -73,6 +73,17 @@ class GatewayMetrics:
             ["backend"],
             registry=r,
         )
+        self.breaker_transitions = Counter(
+            "poise_gateway_breaker_transitions",
+            "Circuit breaker state changes, by the state entered.",
+            ["backend", "to"],
+            registry=r,
+        )
+        Gauge(
+            "poise_gateway_retries_peak_concurrent",
+            "The most retries ever in flight at once (the retry budget bounds it).",
+            registry=r,
+        ).set_function(lambda: self.gateway.budget.peak_retries)
         self.healthy = Gauge(
             "poise_gateway_backend_healthy", "1 when active checks pass.", ["backend"], registry=r
         )
@@ -104,6 +115,7 @@ class GatewayMetrics:
 
     def breaker_changed(self, backend: Backend, to: BreakerState) -> None:
         self.breaker.labels(backend.url).set(BREAKER_VALUE[to])
+        self.breaker_transitions.labels(backend.url, to.value).inc()
 
     def health_changed(self, backend: Backend, healthy: bool) -> None:
         self.healthy.labels(backend.url).set(1 if healthy else 0)

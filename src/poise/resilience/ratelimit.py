@@ -11,9 +11,9 @@ takes from all or none, so a request refused by its token limit does not spend a
 Tokens are estimated at admission (prompt + max_tokens) and reconciled when the request ends:
 ``adjust`` gives back what was not used or charges what was used beyond the estimate.
 
-The state is a plain dict so that the same arithmetic runs in Redis (``redis_ratelimit``) where
-several gateways must share one budget. No library offered multi-limit atomic GCRA with
-reconciliation and OpenAI's ``x-ratelimit-*`` numbers; it is small and pure.
+The state is a plain dict so that the same arithmetic runs in Redis where several gateways must
+share one budget (``poise.gateway.redis_gcra``). No library offered multi-limit atomic GCRA
+with reconciliation and OpenAI's ``x-ratelimit-*`` numbers; it is small and pure.
 """
 
 from __future__ import annotations

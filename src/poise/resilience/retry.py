@@ -56,6 +56,7 @@ class RetryBudget:
         self.active_requests = 0
         self.active_retries = 0
         self.refused_total = 0
+        self.peak_retries = 0
 
     @property
     def limit(self) -> int:
@@ -73,6 +74,7 @@ class RetryBudget:
             self.refused_total += 1
             return False
         self.active_retries += 1
+        self.peak_retries = max(self.peak_retries, self.active_retries)
         return True
 
     def retry_ended(self) -> None:
