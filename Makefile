@@ -26,9 +26,6 @@ $(DEMO)/config.json: | $(VENV)/.installed
 	$(VENV)/bin/poise make-model $(DEMO) --size small
 
 run: $(VENV)/.installed $(DEMO)/config.json
-	@echo "poise: a gateway at http://$(HOST):$(PORT) in front of two replicas of $(DEMO) (Ctrl-C stops all)"
-	@echo "try:   curl http://$(HOST):$(PORT)/v1/completions -H 'Content-Type: application/json' \\"
-	@echo "         -d '{\"model\": \"demo\", \"prompt\": \"The for statement\", \"max_tokens\": 32}'"
 	$(VENV)/bin/poise up --model $(DEMO) --replicas 2 --host $(HOST) --port $(PORT)
 
 lint: $(VENV)/.installed-test

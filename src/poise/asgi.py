@@ -175,6 +175,10 @@ def uvicorn_config(app: ASGIApp, host: str, port: int, log_level: str) -> uvicor
     logging.basicConfig(
         level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    # A line per health check and per forwarded request is noise, not news.
+    quiet = max(logging.WARNING, logging.getLevelName(log_level.upper()))
+    for chatty in ("httpx", "httpcore"):
+        logging.getLogger(chatty).setLevel(quiet)
     return uvicorn.Config(
         app,
         host=host,

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 
+import httpx
 import yaml
 
 from poise.config import http_url
@@ -73,6 +74,13 @@ class Child:
             self.proc.wait()
 
 
+def _ready(url: str) -> bool:
+    try:
+        return httpx.get(url + "/ready", timeout=0.5).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
 def up(
     model: str,
     replicas: int,
@@ -108,13 +116,24 @@ def up(
     for child in children:
         child.start()
     gateway.start()
+    url = http_url(host, port)
     print(
-        f"poise up: gateway at {http_url(host, port)} in front of {replicas} replica(s) "
-        f"on ports {', '.join(map(str, ports))}; config {cfg_path}",
+        f"poise up: starting a gateway at {url} in front of {replicas} replica(s) "
+        f"on ports {', '.join(map(str, ports))}; config {cfg_path} (Ctrl-C stops all)",
         flush=True,
     )
+    announced = False
     try:
         while not stopping:
+            if not announced and _ready(url):
+                announced = True
+                print(
+                    f"poise up: ready at {url}. Try:\n"
+                    f"  curl {url}/v1/completions -H 'Content-Type: application/json' \\\n"
+                    f'    -d \'{{"model": "{model_name}", "prompt": "The for statement", '
+                    f'"max_tokens": 32}}\'',
+                    flush=True,
+                )
             now = time.monotonic()
             for child in [*children, gateway]:
                 assert child.proc is not None

@@ -325,7 +325,8 @@ def create_gateway_app(settings: GatewaySettings) -> FastAPI:
 
     @app.get("/ready")
     async def ready() -> JSONResponse:
-        serving = {m: len(p.eligible()) for m, p in gw.pools.items()}
+        # Ready once every model has a backend that an active check has seen serving.
+        serving = {m: sum(b.checked for b in p.eligible()) for m, p in gw.pools.items()}
         ok = all(serving.values())
         return JSONResponse(
             {"status": "ready" if ok else "degraded", "eligible_backends": serving},

@@ -63,6 +63,13 @@ async def check_once(client: httpx.AsyncClient, backend: Backend, cfg: HealthSet
 
 def apply(backend: Backend, ok: bool, cfg: HealthSettings) -> bool | None:
     """Fold one result into the backend's state; returns the new verdict when it changed."""
+    if not backend.checked:  # until now an assumption, not a verdict: the first one decides
+        backend.checked = True
+        backend.health_streak = 0
+        if ok != backend.healthy:
+            backend.healthy = ok
+            return ok
+        return None
     if ok == backend.healthy:
         backend.health_streak = 0
         return None

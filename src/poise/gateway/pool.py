@@ -42,6 +42,7 @@ class Backend:
     inflight: int = 0
     healthy: bool = True
     health_streak: int = 0  # consecutive probe results in the direction of a change
+    checked: bool = False  # an active check has given a verdict (the first one counts at once)
     load: ReportedLoad = field(default_factory=ReportedLoad)
     is_poise: bool | None = None  # learned from /version: poise backends can resume streams
 

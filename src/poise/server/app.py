@@ -200,6 +200,8 @@ def create_app(settings: ServerSettings, loader: EngineLoader = load_engine) -> 
         if state.load_error is not None:
             return JSONResponse({"status": "unhealthy", "reason": state.load_error}, 503)
         if state.replica is None:
+            if probe == "generate":  # nothing can generate yet: that probe must not pass
+                return JSONResponse({"status": "loading", "reason": "the model is loading"}, 503)
             return JSONResponse({"status": "loading"})  # alive; /ready says not yet
         if probe == "generate":
             ok, why = await state.replica.probe()

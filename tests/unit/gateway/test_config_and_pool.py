@@ -76,3 +76,16 @@ def test_stale_load_reports_count_as_busy():
     b.load.at = clock.now
     b.load.waiting = 20
     assert all(pool.pick() is b for _ in range(10))
+
+
+def test_the_first_health_verdict_counts_at_once_later_ones_need_a_streak():
+    from poise.gateway.config import HealthSettings
+    from poise.gateway.health import apply
+
+    pool = Pool("m", settings(1), Clock())
+    backend = pool.backends[0]
+    cfg = HealthSettings(healthy_after=2, unhealthy_after=2)
+    assert backend.healthy and not backend.checked  # assumed up until checked
+    assert apply(backend, False, cfg) is False and not backend.healthy  # e.g. still loading
+    assert apply(backend, True, cfg) is None and not backend.healthy
+    assert apply(backend, True, cfg) is True and backend.healthy
