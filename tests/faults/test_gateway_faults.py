@@ -257,8 +257,9 @@ def test_cached_answer_is_the_last_fallback_and_says_so(gateway, pair):
     cached = httpx.post(g.url + "/v1/completions", json=body, timeout=30)
     assert cached.status_code == 200 and cached.headers["x-poise-fallback"] == "cache"
     assert cached.json() == fresh.json()
+    # Nothing stored for these: an explicit failure (502, or 503 once checks mark both down).
     other = httpx.post(g.url + "/v1/completions", json={**body, "max_tokens": 7}, timeout=30)
-    assert other.status_code == 502  # nothing stored for it: an explicit failure
+    assert other.status_code in (502, 503) and "x-poise-fallback" not in other.headers
     sampled = httpx.post(g.url + "/v1/completions", json={**body, "temperature": 1}, timeout=30)
-    assert sampled.status_code == 502
+    assert sampled.status_code in (502, 503) and "x-poise-fallback" not in sampled.headers
     assert metric(g, "poise_gateway_fallbacks_total", fallback="cache") == 1
