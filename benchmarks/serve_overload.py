@@ -76,6 +76,8 @@ class RunReport:
     reject_p99_ms: float | None
     probe_p99_ms: dict[str, float] = field(default_factory=dict)
     client_lag_p99_ms: float = 0.0  # the load generator's own event-loop lag
+    # The replica's own view of a refusal (app entry to 429), as the bucket bound of its p99.
+    server_reject_p99_ms: float | None = None
 
 
 def pct(values: list[float], q: float) -> float | None:
@@ -207,6 +209,29 @@ async def run_load(
     )
 
 
+def refusal_buckets(url: str) -> dict[float, float]:
+    """Cumulative counts of the replica's ``poise_refusal_latency_seconds`` histogram."""
+    text = httpx.get(url + "/metrics", timeout=10).text
+    out: dict[float, float] = {}
+    for line in text.splitlines():
+        if line.startswith("poise_refusal_latency_seconds_bucket"):
+            le = line.split('le="')[1].split('"')[0]
+            out[float("inf") if le == "+Inf" else float(le)] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def bucket_p99_ms(before: dict[float, float], after: dict[float, float]) -> float | None:
+    """Upper bound of the p99 of what happened between two readings."""
+    delta = {le: after[le] - before.get(le, 0.0) for le in after}
+    total = delta.get(float("inf"), 0.0)
+    if total <= 0:
+        return None
+    for le in sorted(delta):
+        if delta[le] >= 0.99 * total:
+            return 1000 * le
+    return None
+
+
 class Replica:
     def __init__(self, model: str, flags: list[str]) -> None:
         self.port = free_port()
@@ -273,7 +298,10 @@ def print_table(capacity: float, peak: float, runs: list[RunReport]) -> None:
     for r in runs:
         if r.probe_p99_ms:
             cells = "  ".join(f"{k} {v:.1f}" for k, v in r.probe_p99_ms.items())
-            cells += f"  (client loop lag {r.client_lag_p99_ms:.1f})"
+            cells += f"  (client loop lag {r.client_lag_p99_ms:.1f}"
+            if r.server_reject_p99_ms is not None:
+                cells += f"; refusal inside the server <= {r.server_reject_p99_ms:g}"
+            cells += ")"
             print(f"  {r.label:<18}{cells}")
 
 
@@ -342,6 +370,7 @@ def main() -> int:
         try:
             run_async(run_load(replica.url, "warmup", 1.0, 5.0, 98, False))
             for mult in (float(m) for m in args.mults.split(",")):
+                before = refusal_buckets(replica.url)
                 rep = run_async(
                     run_load(
                         replica.url,
@@ -352,6 +381,7 @@ def main() -> int:
                         True,
                     )
                 )
+                rep.server_reject_p99_ms = bucket_p99_ms(before, refusal_buckets(replica.url))
                 runs.append(rep)
                 print(
                     f"{rep.label}: goodput {rep.goodput_rps:.2f}/s, attainment "

@@ -14,6 +14,7 @@ import contextlib
 import hmac
 import json
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Sequence
 from typing import TypeVar
 
@@ -102,6 +103,9 @@ class EventStreamResponse(Response):
                 await task
 
 
+RECEIVED_AT = "poise.received_at"  # scope key: when the request reached the app (perf_counter)
+
+
 class GuardMiddleware:
     """Refuses bodies over the limit with 413 and, when keys are set, /v1 calls without one."""
 
@@ -123,6 +127,7 @@ class GuardMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        scope[RECEIVED_AT] = time.perf_counter()
         if not self._authorized(scope):
             await _error(
                 send,

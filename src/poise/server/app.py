@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -22,7 +23,7 @@ from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from poise import __version__
-from poise.asgi import ClientGoneError, EventStreamResponse, GuardMiddleware
+from poise.asgi import RECEIVED_AT, ClientGoneError, EventStreamResponse, GuardMiddleware
 from poise.asgi import unless_disconnected as _unless_disconnected
 from poise.config import ServerSettings
 from poise.engine.client import EngineClient
@@ -33,7 +34,7 @@ from poise.protocol import (
     ModelCard,
     ModelList,
 )
-from poise.server.openai_api import create_chat_completion, create_completion
+from poise.server.openai_api import Planned, create_chat_completion, create_completion
 from poise.server.replica import Phase, Replica
 
 log = logging.getLogger("poise.server")
@@ -147,6 +148,11 @@ def create_app(settings: ServerSettings, loader: EngineLoader = load_engine) -> 
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        received = request.scope.get(RECEIVED_AT)
+        if exc.status == 429 and state.replica is not None and received is not None:
+            state.replica.metrics.refusal_latency.labels(settings.model_name).observe(
+                time.perf_counter() - received
+            )
         return _error_response(exc)
 
     @app.exception_handler(RequestValidationError)
@@ -170,11 +176,13 @@ def create_app(settings: ServerSettings, loader: EngineLoader = load_engine) -> 
         log.exception("unhandled error on %s", request.url.path)
         return _error_response(APIError(500, f"internal error: {type(exc).__name__}"))
 
-    async def respond(request: Request, work: Any) -> Response:
+    async def respond(request: Request, planned: Planned) -> Response:
         try:
-            result = await _unless_disconnected(request.receive, work)
+            result = await _unless_disconnected(request.receive, planned.run())
         except ClientGoneError:
             return Response(status_code=499)
+        finally:
+            planned.release_if_unstarted()
         if isinstance(result, dict):
             return JSONResponse(result)
         return EventStreamResponse(result)

@@ -92,6 +92,9 @@ class _EngineCollector(Collector):
         )
 
 
+REFUSAL_BUCKETS = (0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.025, 0.05, 0.1)
+
+
 class ServerMetrics:
     def __init__(self, model: str, snapshot: Callable[[], EngineSnapshot]) -> None:
         self.model = model
@@ -119,6 +122,13 @@ class ServerMetrics:
             m,
             registry=r,
             buckets=E2E_BUCKETS,
+        )
+        self.refusal_latency = Histogram(
+            "poise_refusal_latency_seconds",
+            "From the request reaching the app to its 429 leaving it: how fast refusals are.",
+            m,
+            registry=r,
+            buckets=REFUSAL_BUCKETS,
         )
         self.success = Counter(
             "vllm:request_success",

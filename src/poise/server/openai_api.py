@@ -278,7 +278,7 @@ async def _events(
     yield DONE
 
 
-async def _start(
+def _start(
     replica: Replica,
     prompts: list[str | list[int]],
     samplings: list[SamplingParams],
@@ -291,6 +291,32 @@ async def _start(
     group = replica.prepare(prompts, samplings, priority, deadline, add_special_tokens, resume)
     replica.admit(group, priority, deadline)
     return group
+
+
+@dataclass(slots=True)
+class Planned:
+    """An admitted call, not yet running. Everything before it (validation, tokenizing,
+    admission) ran synchronously in the route, so a refusal costs no extra loop turns; ``run``
+    is the part that waits for the engine. ``release_if_unstarted`` gives back admission places
+    should ``run`` never start (the client left first)."""
+
+    call: _Call
+    stream: bool
+    top: int | None
+    include_usage: bool
+    echo: list[str]
+    started: bool = False
+
+    async def run(self) -> dict[str, Any] | AsyncIterator[bytes]:
+        self.started = True
+        if self.stream:
+            return await _stream(self.call, self.top, self.include_usage)
+        return await _collect(self.call, self.top, self.echo)
+
+    def release_if_unstarted(self) -> None:
+        if not self.started:
+            for p in self.call.group:
+                self.call.replica.admission.left(p.request.request_id)
 
 
 def _check_model(replica: Replica, model: str | None) -> str:
@@ -355,9 +381,9 @@ def _call(
     return call
 
 
-async def create_completion(
+def create_completion(
     replica: Replica, body: CompletionRequest, headers: Mapping[str, str]
-) -> dict[str, Any] | AsyncIterator[bytes]:
+) -> Planned:
     model = _check_model(replica, body.model)
     if body.suffix:
         raise APIError(400, "suffix is not supported", param="suffix")
@@ -373,19 +399,17 @@ async def create_completion(
     priority = priority_from(body.priority, headers.get("x-priority"))
     deadline = replica.deadline_from(headers.get(DEADLINE_HEADER))
     resume = _resume(body, len(expanded))
-    group = await _start(replica, expanded, samplings, priority, deadline, True, resume)
+    group = _start(replica, expanded, samplings, priority, deadline, True, resume)
     call = _call(replica, group, body, False, model, headers)
-    if body.stream:
-        include = bool(body.stream_options and body.stream_options.include_usage)
-        return await _stream(call, body.logprobs, include)
+    include = bool(body.stream_options and body.stream_options.include_usage)
     tokenizer = replica.engine.tokenizer
     echo = [p if isinstance(p, str) else tokenizer.decode(p) for p in prompts] if body.echo else []
-    return await _collect(call, body.logprobs, echo)
+    return Planned(call, body.stream, body.logprobs, include, echo)
 
 
-async def create_chat_completion(
+def create_chat_completion(
     replica: Replica, body: ChatCompletionRequest, headers: Mapping[str, str]
-) -> dict[str, Any] | AsyncIterator[bytes]:
+) -> Planned:
     model = _check_model(replica, body.model)
     tokenizer = replica.engine.tokenizer
     messages = [{"role": m.role, "content": m.text()} for m in body.messages]
@@ -404,9 +428,7 @@ async def create_chat_completion(
     deadline = replica.deadline_from(headers.get(DEADLINE_HEADER))
     resume = _resume(body, body.n)
     # The template writes the special tokens itself.
-    group = await _start(replica, [prompt] * body.n, samplings, priority, deadline, False, resume)
+    group = _start(replica, [prompt] * body.n, samplings, priority, deadline, False, resume)
     call = _call(replica, group, body, True, model, headers)
-    if body.stream:
-        include = bool(body.stream_options and body.stream_options.include_usage)
-        return await _stream(call, top, include)
-    return await _collect(call, top, [])
+    include = bool(body.stream_options and body.stream_options.include_usage)
+    return Planned(call, body.stream, top, include, [])
