@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
+import aiohttp
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -64,15 +65,23 @@ class Gateway:
         r = settings.retry
         self.budget = RetryBudget(r.budget_ratio, r.budget_min_concurrent)
         self.policy = RetryPolicy(r.max_retries, r.base_s, max(r.cap_s, r.base_s))
-        self.client: httpx.AsyncClient | None = None
+        self.client: httpx.AsyncClient | None = None  # health checks
+        self.session: aiohttp.ClientSession | None = None  # forwarding: the hot path
         self.forwarder: Forwarder | None = None
 
     async def start(self) -> list[asyncio.Task[None]]:
-        limits = httpx.Limits(max_connections=4096, max_keepalive_connections=1024)
+        limits = httpx.Limits(max_connections=256, max_keepalive_connections=64)
         self.client = httpx.AsyncClient(limits=limits, timeout=None)
+        # aiohttp for forwarding: about half httpx's cost per request on this path. Bodies
+        # pass as they came: no compression asked for, none undone.
+        self.session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=4096, limit_per_host=0, keepalive_timeout=30),
+            auto_decompress=False,
+            skip_auto_headers=("Accept-Encoding", "User-Agent"),
+        )
         t = self.settings.timeouts
         self.forwarder = Forwarder(
-            self.client,
+            self.session,
             self.policy,
             self.budget,
             Timeouts(t.connect_s, t.first_byte_s),
@@ -90,6 +99,8 @@ class Gateway:
     async def stop(self) -> None:
         if self.client is not None:
             await self.client.aclose()
+        if self.session is not None:
+            await self.session.close()
         await self.limits.aclose()
 
     # ----- one request -----

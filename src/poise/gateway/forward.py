@@ -23,7 +23,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-import httpx
+import aiohttp
 
 from poise.gateway.pool import Backend, Pool
 from poise.protocol import DEADLINE_HEADER, APIError
@@ -60,15 +60,23 @@ class Upstream:
     body: bytes | None  # whole body (non-streaming); None for a stream
     first_chunk: bytes = b""
     chunks: AsyncIterator[bytes] | None = None
-    response: httpx.Response | None = None
+    response: aiohttp.ClientResponse | None = None
     backend: Backend | None = None
     outcome: Outcome | None = None
+
+    def close(self, reusable: bool) -> None:
+        """Give the connection back (a body read to its end) or drop it (anything else)."""
+        if self.response is not None:
+            if reusable:
+                self.response.release()
+            else:
+                self.response.close()
 
 
 class Forwarder:
     def __init__(
         self,
-        client: httpx.AsyncClient,
+        session: aiohttp.ClientSession,
         policy: RetryPolicy,
         budget: RetryBudget,
         timeouts: Timeouts,
@@ -76,7 +84,7 @@ class Forwarder:
         rng: random.Random | None = None,
         on_outcome: Callable[[Backend, str], None] | None = None,
     ) -> None:
-        self.client = client
+        self.session = session
         self.policy = policy
         self.budget = budget
         self.timeouts = timeouts
@@ -141,36 +149,36 @@ class Forwarder:
         if backend.settings.api_key:
             sent_headers["authorization"] = f"Bearer {backend.settings.api_key}"
         t = self.timeouts
-        timeout = httpx.Timeout(
-            connect=min(t.connect_s, left_s),
-            read=min(t.first_byte_s, left_s),
-            write=min(t.connect_s, left_s),
-            pool=min(t.connect_s, left_s),
-        )
-        request = self.client.build_request(
-            "POST", backend.url + path, content=body, headers=sent_headers, timeout=timeout
+        # sock_read bounds the wait for the first byte (and, for a stream, any later silence;
+        # the relay's stream_idle_s is the tighter bound there once the stream is committed).
+        timeout = aiohttp.ClientTimeout(
+            total=None,
+            sock_connect=min(t.connect_s, left_s),
+            sock_read=min(t.first_byte_s, left_s),
         )
         started = self.clock()
         backend.inflight += 1
         outcome = Outcome(self, pool, backend, started)
-        response: httpx.Response | None = None
+        response: aiohttp.ClientResponse | None = None
         try:
             async with asyncio.timeout(left_s):
-                response = await self.client.send(request, stream=True)
-                status = response.status_code
+                response = await self.session.post(
+                    backend.url + path, data=body, headers=sent_headers, timeout=timeout
+                )
+                status = response.status
                 if status != 200 or not stream:
-                    data = await response.aread()
-                    await response.aclose()
+                    data = await response.read()
+                    response.release()
                     if status in RETRYABLE_STATUS:
                         outcome.done("overloaded" if status == 429 else "error")
                         journey.last_error = f"{status} from {backend.url}: {_message(data)}"
                         return None, _retry_after(response)
                     outcome.done("ok" if status < 500 else "error")
                     return Upstream(status, _pass_headers(response), data, backend=backend), None
-                chunks = response.aiter_raw()
+                chunks = response.content.iter_any()
                 first = await anext(chunks, b"")
                 if not first:
-                    raise httpx.RemoteProtocolError("the stream ended before its first chunk")
+                    raise aiohttp.ServerDisconnectedError("the stream ended before its first chunk")
                 return (
                     Upstream(
                         200,
@@ -184,16 +192,15 @@ class Forwarder:
                     ),
                     None,
                 )
-        except (httpx.TransportError, TimeoutError) as exc:
+        except (aiohttp.ClientError, TimeoutError) as exc:
             if response is not None:
-                await response.aclose()
-            timed_out = isinstance(exc, TimeoutError | httpx.TimeoutException)
-            outcome.done("timeout" if timed_out else "connect_error")
+                response.close()
+            outcome.done("timeout" if isinstance(exc, TimeoutError) else "connect_error")
             journey.last_error = f"{type(exc).__name__} from {backend.url}: {exc}"
             return None, None
         except BaseException:  # cancelled: the client left; no verdict on the backend
             if response is not None:
-                await response.aclose()
+                response.close()
             outcome.abandon()
             raise
 
@@ -250,7 +257,7 @@ def _message(data: bytes) -> str:
         return data[:200].decode(errors="replace")
 
 
-def _retry_after(response: httpx.Response) -> float | None:
+def _retry_after(response: aiohttp.ClientResponse) -> float | None:
     raw = response.headers.get("retry-after")
     try:
         return None if raw is None else min(60.0, max(0.0, float(raw)))
@@ -263,5 +270,5 @@ HOP_HEADERS = frozenset(
 )
 
 
-def _pass_headers(response: httpx.Response) -> dict[str, str]:
+def _pass_headers(response: aiohttp.ClientResponse) -> dict[str, str]:
     return {k: v for k, v in response.headers.items() if k.lower() not in HOP_HEADERS}

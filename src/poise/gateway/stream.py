@@ -20,6 +20,7 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
+import aiohttp
 import httpx
 
 from poise.gateway.forward import Upstream
@@ -117,7 +118,7 @@ async def relay(
                 raise StreamBrokeError("the backend's stream ended without [DONE]")
             ok = True
             return
-        except (httpx.TransportError, StreamBrokeError, ValueError) as exc:
+        except (aiohttp.ClientError, httpx.TransportError, StreamBrokeError, ValueError) as exc:
             failed = current.backend
             where = failed.url if failed else "the backend"
             log.warning("stream from %s broke after it began: %s", where, exc)
@@ -143,8 +144,7 @@ async def relay(
                 len(position.token_ids),
             )
         finally:
-            if current.response is not None:
-                await current.response.aclose()
+            current.close(reusable=ok)
             if ok:
                 current.outcome.done("ok")
             else:
