@@ -2,8 +2,9 @@
 
 The upstream is a minimal OpenAI-shaped server (fixed answer, no model) so that what is measured
 is the gateway's own cost. For streaming and non-streaming requests, in turn:
-1. fixed-rate arrivals (default 200/s) for a bounded time, direct and via the gateway: latency
-   p50/p99 (to the last byte) and the difference;
+1. fixed-rate arrivals (default 200/s) for a bounded time, direct and via the gateway in
+   alternating short rounds (so both see the same drift of the machine's speed): latency
+   p50/p99 (to the last byte) over all rounds, and the difference;
 2. a closed loop at fixed concurrency for a bounded time: the most requests/s each path carries.
 Everything runs on loopback and stops by itself; processes are stopped by pid.
 
@@ -138,7 +139,8 @@ def pct(xs: list[float], q: float) -> float:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rate", type=float, default=200.0)
-    ap.add_argument("--duration", type=float, default=10.0)
+    ap.add_argument("--duration", type=float, default=20.0, help="seconds per path, in all")
+    ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--concurrency", type=int, default=32)
     args = ap.parse_args()
     up_port, gw_port = free_port(), free_port()
@@ -162,9 +164,16 @@ def main() -> int:
         direct = f"http://127.0.0.1:{up_port}/v1/completions"
         via = f"http://127.0.0.1:{gw_port}/v1/completions"
         for stream in (False, True):
+            # Short rounds, direct and via the gateway in turn: the machine's speed drifts
+            # over seconds, and both paths must see the same drift.
+            got: dict[str, list[float | None]] = {"direct": [], "gateway": []}
+            for _ in range(args.rounds):
+                for name, url in (("direct", direct), ("gateway", via)):
+                    got[name] += asyncio.run(
+                        fixed_rate(url, stream, args.rate, args.duration / args.rounds)
+                    )
             lat = {}
-            for name, url in (("direct", direct), ("gateway", via)):
-                res = asyncio.run(fixed_rate(url, stream, args.rate, args.duration))
+            for name, res in got.items():
                 ok = [1000 * x for x in res if x is not None]
                 lat[name] = (pct(ok, 0.5), pct(ok, 0.99), len(res) - len(ok))
             rps = {
