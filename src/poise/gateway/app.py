@@ -168,13 +168,18 @@ def _prompt_text(data: dict[str, Any]) -> str:
     return prompt if isinstance(prompt, str) else json.dumps(prompt)[:512]
 
 
-def _estimate_tokens(data: dict[str, Any], text: str) -> float:
+def _max_output_tokens(data: dict[str, Any]) -> float:
     max_tokens = data.get("max_tokens") or data.get("max_completion_tokens") or 256
     n = data.get("n") or 1
     try:
-        return len(text) / 4 + float(max_tokens) * float(n)
+        return float(max_tokens) * float(n)
     except (TypeError, ValueError):
-        return len(text) / 4 + 256
+        return 256.0
+
+
+def _estimate_tokens(data: dict[str, Any], text: str) -> float:
+    """Prompt (about four characters a token) plus the most the answer may use."""
+    return len(text) / 4 + _max_output_tokens(data)
 
 
 Proxy = Callable[[Request, str], Awaitable[Response]]
@@ -299,17 +304,24 @@ def create_gateway_app(settings: GatewaySettings) -> ASGIApp:
             )
 
         async def events() -> AsyncIterator[bytes]:
+            position = StreamPosition()
             try:
                 async for chunk in relay(
                     upstream,
                     settings.timeouts.stream_idle_s,
                     resume if resumable else None,
                     on_resume=gw.metrics.stream_resumed,
+                    position=position,
                 ):
                     yield chunk
             finally:
                 ended()
                 gw.metrics.answered(served_by, 200)
+                if charges and position.noted:
+                    # The notes counted the tokens generated: charge those, not max_tokens.
+                    # (The prompt's share stays estimated: a stream does not say it.)
+                    used = estimate - _max_output_tokens(data) + len(position.token_ids)
+                    await _adjust_tokens(gw, charges, used)
 
         response = EventStreamResponse(events())
         for k, v in extra.items():
@@ -426,6 +438,11 @@ async def _reconcile(gw: Gateway, charges: list[Charge], body: bytes) -> None:
         used = float(json.loads(body)["usage"]["total_tokens"])
     except (ValueError, KeyError, TypeError):
         return
+    await _adjust_tokens(gw, charges, used)
+
+
+async def _adjust_tokens(gw: Gateway, charges: list[Charge], used: float) -> None:
+    """Give back (or charge) the difference between the estimate taken and the real use."""
     for c in charges:
         if c.kind == "tokens":
             await gw.limits.adjust(Charge(c.key, c.limit, used - c.cost, c.kind))

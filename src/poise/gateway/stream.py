@@ -87,8 +87,10 @@ async def relay(
     resume: Resume | None = None,
     max_resumes: int = 2,
     on_resume: Callable[[bool], None] | None = None,
+    position: StreamPosition | None = None,
 ) -> AsyncIterator[bytes]:
-    position = StreamPosition()
+    """``position``: pass one to read, once the stream is over, what the client received."""
+    position = position if position is not None else StreamPosition()
     while True:
         current = upstream
         assert current.outcome is not None

@@ -210,3 +210,25 @@ def test_a_chat_stream_survives_its_replica_through_the_openai_client(gateway, l
     finally:
         for p in pair:
             p.stop()
+
+
+def test_a_streamed_answer_is_charged_what_it_used_not_its_max_tokens(gateway):
+    """Tokens per minute: a stream that stops early gives back the rest of its estimate."""
+    g = gateway(keys=[{"key": "sk-tokens-01", "name": "t", "tokens_per_minute": 300}])
+    auth = {"Authorization": "Bearer sk-tokens-01"}
+    # About 201 tokens estimated (prompt + max_tokens); a stop string ends it within a few.
+    body = {
+        "model": "m",
+        "prompt": "hello",
+        "max_tokens": 200,
+        "temperature": 0,
+        "stop": [" ", "e", "a", "o", "i"],
+    }
+    with httpx.stream(
+        "POST", g.url + "/v1/completions", json={**body, "stream": True}, headers=auth
+    ) as r:
+        events = [ln for ln in r.iter_lines() if ln.startswith("data: {")]
+    assert r.status_code == 200 and len(events) < 100
+    # Charged the full estimate, 300 - 201 would leave too little for a second such request.
+    again = httpx.post(g.url + "/v1/completions", json=body, headers=auth, timeout=30)
+    assert again.status_code == 200, again.text
