@@ -218,8 +218,10 @@ def create_gateway_app(settings: GatewaySettings) -> ASGIApp:
         text = _prompt_text(data)
         estimate = _estimate_tokens(data, text)
         charges = gw.charges(key, model, estimate)
+        limit_headers: dict[str, str] = {}
         if charges:
             decision = await gw.limits.check(charges)
+            limit_headers = decision.headers()  # on every answer, as OpenAI sends them
             if not decision.allowed:
                 gw.metrics.rate_limited(decision.refused_by or "")
                 raise APIError(
@@ -274,11 +276,15 @@ def create_gateway_app(settings: GatewaySettings) -> ASGIApp:
             gw.metrics.answered(model, 200)
             log.warning("model %s: every pool failed (%s); answered from the cache", model, exc)
             body, stored_headers = cached
-            return Response(body, 200, {**stored_headers, "x-poise-fallback": "cache"})
+            return Response(
+                body, 200, {**stored_headers, **limit_headers, "x-poise-fallback": "cache"}
+            )
         except BaseException:
             ended()
             raise
-        extra = {} if served_by == model else {"x-poise-fallback": f"model:{served_by}"}
+        extra = dict(limit_headers)
+        if served_by != model:
+            extra["x-poise-fallback"] = f"model:{served_by}"
         if upstream.body is not None:
             ended()
             gw.metrics.answered(served_by, upstream.status)

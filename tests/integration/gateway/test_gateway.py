@@ -93,6 +93,9 @@ def test_keys_and_rate_limits(gateway):
     auth = {"Authorization": "Bearer sk-limited-1"}
     statuses = [httpx.post(g.url + "/v1/completions", json=body, headers=auth) for _ in range(3)]
     assert [r.status_code for r in statuses] == [200, 200, 429]
+    # Every answer carries the limits, as OpenAI's do; the first one leaves one request.
+    assert statuses[0].headers["x-ratelimit-limit-requests"] == "2"
+    assert statuses[0].headers["x-ratelimit-remaining-requests"] == "1"
     refused = statuses[-1]
     assert int(refused.headers["retry-after"]) >= 1
     assert refused.headers["x-ratelimit-remaining-requests"] == "0"
