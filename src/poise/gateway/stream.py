@@ -54,11 +54,13 @@ class StreamBrokeError(Exception):
     """The backend's stream ended in a way the client must not see as an ending."""
 
 
-async def _events(upstream: Upstream, idle_s: float) -> AsyncIterator[bytes]:
+async def _batches(upstream: Upstream, idle_s: float) -> AsyncIterator[bytes]:
+    """Whole events as they arrive: every complete event of a read at once, never a part."""
     assert upstream.chunks is not None
     pending = upstream.first_chunk
     while True:
-        while (cut := pending.find(b"\n\n")) >= 0:
+        cut = pending.rfind(b"\n\n")
+        if cut >= 0:
             yield pending[: cut + 2]
             pending = pending[cut + 2 :]
         try:
@@ -71,6 +73,14 @@ async def _events(upstream: Upstream, idle_s: float) -> AsyncIterator[bytes]:
         pending += chunk
     if pending.strip():
         yield pending
+
+
+def _split(batch: bytes) -> list[bytes]:
+    events = batch.split(b"\n\n")
+    out = [e + b"\n\n" for e in events[:-1]]
+    if events[-1]:
+        out.append(events[-1])
+    return out
 
 
 def _backend_error(event: bytes) -> tuple[int, str]:
@@ -96,26 +106,36 @@ async def relay(
         assert current.outcome is not None
         done = ok = False
         try:
-            async for event in _events(current, idle_s):
-                ids: list[int] | None = None
-                if event.startswith(TOKEN_NOTE_PREFIX):
-                    note, _, event = event.partition(b"\n")
-                    ids, chars = parse_token_note(note)
-                    position.noted = True
-                if position.noted and event.startswith(_ERROR_EVENT):
-                    status, message = _backend_error(event)
-                    if status in _RESUMABLE_ERRORS:
-                        why = f"the backend failed mid-stream ({status}): {message}"
-                        raise StreamBrokeError(why)
-                if event == DONE_EVENT:
-                    done = True
-                elif position.noted and position.id is None and event.startswith(b"data: {"):
-                    head = json.loads(event[6:])
-                    position.id, position.created = head.get("id"), head.get("created")
-                yield event
-                if ids is not None:
-                    position.token_ids += ids
-                    position.text_chars = chars
+            async for batch in _batches(current, idle_s):
+                if not position.noted and not batch.startswith(TOKEN_NOTE_PREFIX):
+                    yield batch  # not a poise stream: passed on as it came, whole events
+                    continue
+                # A poise stream: strip the notes, keep the position, watch for its end. The
+                # batch goes out in one piece; only a read from the backend can break it.
+                out: list[bytes] = []
+                broke: str | None = None
+                for event in _split(batch):
+                    if event.startswith(TOKEN_NOTE_PREFIX):
+                        note, _, event = event.partition(b"\n")
+                        ids, chars = parse_token_note(note)
+                        position.noted = True
+                        position.token_ids += ids
+                        position.text_chars = chars
+                    if event.startswith(_ERROR_EVENT):
+                        status, message = _backend_error(event)
+                        if status in _RESUMABLE_ERRORS:
+                            broke = f"the backend failed mid-stream ({status}): {message}"
+                            break
+                    if event == DONE_EVENT:
+                        done = True
+                    elif position.id is None and event.startswith(b"data: {"):
+                        head = json.loads(event[6:])
+                        position.id, position.created = head.get("id"), head.get("created")
+                    out.append(event)
+                if out:
+                    yield b"".join(out)
+                if broke is not None:
+                    raise StreamBrokeError(broke)
             if position.noted and not done:
                 raise StreamBrokeError("the backend's stream ended without [DONE]")
             ok = True
