@@ -190,6 +190,8 @@ def uvicorn_config(app: ASGIApp, host: str, port: int, log_level: str) -> uvicor
         port=port,
         log_level=log_level,
         access_log=False,
+        # Nothing here reads the client's address, so X-Forwarded-* need no parsing per request.
+        proxy_headers=False,
         timeout_graceful_shutdown=10,
         timeout_keep_alive=30,
     )
