@@ -91,7 +91,7 @@ class Gateway:
         )
         return [
             asyncio.create_task(
-                watch(self.client, b, self.settings.health, self.metrics.health_changed)
+                watch(self.client, b, self.settings.health, self.metrics.health_changed, self.clock)
             )
             for pool in self.pools.values()
             for b in pool.backends

@@ -39,7 +39,12 @@ def parse_load(text: str) -> dict[str, float]:
     return out
 
 
-async def check_once(client: httpx.AsyncClient, backend: Backend, cfg: HealthSettings) -> bool:
+async def check_once(
+    client: httpx.AsyncClient,
+    backend: Backend,
+    cfg: HealthSettings,
+    clock: Callable[[], float] = time.monotonic,
+) -> bool:
     headers = {}
     if backend.settings.api_key:
         headers["authorization"] = f"Bearer {backend.settings.api_key}"
@@ -55,7 +60,7 @@ async def check_once(client: httpx.AsyncClient, backend: Backend, cfg: HealthSet
             backend.load.waiting = load.get("waiting", 0.0)
             backend.load.running = load.get("running", 0.0)
             backend.load.kv_usage = load.get("kv_usage", 0.0)
-            backend.load.at = time.monotonic()
+            backend.load.at = clock()  # the pool judges staleness on the same clock
         return ok
     except httpx.HTTPError:
         return False
@@ -86,9 +91,10 @@ async def watch(
     backend: Backend,
     cfg: HealthSettings,
     on_change: Callable[[Backend, bool], None],
+    clock: Callable[[], float] = time.monotonic,
 ) -> None:
     while True:
-        ok = await check_once(client, backend, cfg)
+        ok = await check_once(client, backend, cfg, clock)
         changed = apply(backend, ok, cfg)
         if changed is not None:
             log.warning("backend %s is now %s", backend.url, "up" if changed else "down")
