@@ -6,13 +6,15 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from poise.launcher import free_port
-from serverproc import wait_ready
+from serverproc import ServerProcess, wait_ready
 
 
 class GatewayProcess:
@@ -47,3 +49,33 @@ class GatewayProcess:
                 self.proc.wait(10)
         self._log.close()
         return self.proc.returncode
+
+
+def backends(procs: Sequence[ServerProcess]) -> list[dict[str, str]]:
+    return [{"url": p.url} for p in procs]
+
+
+@contextmanager
+def gateways_before(
+    replicas: Sequence[ServerProcess], log_dir: Path, health: dict[str, Any]
+) -> Iterator[Callable[..., GatewayProcess]]:
+    """``start(**config)`` runs a gateway for model "m" in front of ``replicas``; on the way
+    out every gateway is stopped and the replicas still alive are resumed and cleared of
+    injected faults, ready for the next test."""
+    started: list[GatewayProcess] = []
+
+    def start(**config: Any) -> GatewayProcess:
+        cfg = {"models": {"m": {"backends": backends(replicas)}}, "health": health, **config}
+        g = GatewayProcess(cfg, log_dir)
+        started.append(g)
+        return g
+
+    try:
+        yield start
+    finally:
+        for g in started:
+            g.stop()
+        for r in replicas:
+            if r.proc.poll() is None:
+                os.kill(r.proc.pid, signal.SIGCONT)
+                r.faults(step_delay_s=0, fail_steps=0)

@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from gatewayproc import GatewayProcess
+from gatewayproc import GatewayProcess, gateways_before
 from redisproc import RedisServer
 from serverproc import ServerProcess
 
@@ -34,22 +34,8 @@ def pair(llama_dir, tmp_path_factory):
 
 @pytest.fixture
 def gateway(pair, tmp_path):
-    started: list[GatewayProcess] = []
-
-    def start(backends=None, **config) -> GatewayProcess:
-        urls = backends or [{"url": p.url} for p in pair]
-        cfg = {"models": {"m": {"backends": urls}}, "health": FAST_HEALTH, **config}
-        g = GatewayProcess(cfg, tmp_path)
-        started.append(g)
-        return g
-
-    yield start
-    for g in started:
-        g.stop()
-    for p in pair:
-        if p.proc.poll() is None:
-            os.kill(p.proc.pid, signal.SIGCONT)
-            p.faults(step_delay_s=0, fail_steps=0)
+    with gateways_before(pair, tmp_path, FAST_HEALTH) as start:
+        yield start
 
 
 def metric(g: GatewayProcess, name: str, **labels: str) -> float:

@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from gatewayproc import GatewayProcess
+from gatewayproc import backends, gateways_before
 from serverproc import ServerProcess
 
 FAST_HEALTH = {"interval_s": 0.5, "timeout_s": 2.0, "healthy_after": 1, "unhealthy_after": 1}
@@ -27,26 +27,10 @@ def replicas(llama_dir, tmp_path_factory):
         p.stop()
 
 
-def backends(procs):
-    return [{"url": p.url} for p in procs]
-
-
 @pytest.fixture
 def gateway(replicas, tmp_path):
-    started = []
-
-    def start(**config):
-        cfg = {"models": {"m": {"backends": backends(replicas)}}, "health": FAST_HEALTH, **config}
-        g = GatewayProcess(cfg, tmp_path)
-        started.append(g)
-        return g
-
-    yield start
-    for g in started:
-        g.stop()
-    for r in replicas:
-        if r.proc.poll() is None:
-            r.faults(step_delay_s=0, fail_steps=0)
+    with gateways_before(replicas, tmp_path, FAST_HEALTH) as start:
+        yield start
 
 
 def test_openai_client_through_the_gateway_matches_the_replica(gateway, replicas):
