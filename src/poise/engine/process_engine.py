@@ -173,10 +173,6 @@ class ProcessEngine(EngineClient):
     def last_progress(self) -> float:
         return float(self._progress.value)
 
-    @property
-    def pid(self) -> int | None:
-        return self.process.pid
-
     # ----- commands -----
     def _submit(self, request: Request, text: str | None) -> None:
         # A resumed request's outputs count the tokens it was resumed from, as in the core.

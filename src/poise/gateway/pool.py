@@ -44,7 +44,6 @@ class Backend:
     health_streak: int = 0  # consecutive probe results in the direction of a change
     checked: bool = False  # an active check has given a verdict (the first one counts at once)
     load: ReportedLoad = field(default_factory=ReportedLoad)
-    is_poise: bool | None = None  # learned from /version: poise backends can resume streams
 
     @property
     def url(self) -> str:
