@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import signal
 import subprocess
 import sys
 import tempfile
@@ -23,10 +22,9 @@ import time
 from pathlib import Path
 
 import aiohttp
-import httpx
 import yaml
 
-from poise.launcher import free_port
+from poise.launcher import free_port, stop_process, wait_ready
 
 UPSTREAM = r"""
 import json, sys
@@ -59,30 +57,6 @@ app = Starlette(routes=[Route("/v1/completions", completions, methods=["POST"]),
                         Route("/health", ok), Route("/metrics", ok)])
 uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), log_level="warning", access_log=False)
 """
-
-
-def wait_up(url: str, proc: subprocess.Popen[bytes]) -> None:
-    end = time.monotonic() + 60
-    while time.monotonic() < end:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{url} exited")
-        try:
-            if httpx.get(url, timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise TimeoutError(url)
-
-
-def stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 async def one(session: aiohttp.ClientSession, url: str, stream: bool) -> float | None:
@@ -166,8 +140,8 @@ def main() -> int:
     gateway = subprocess.Popen([sys.executable, "-m", "poise.cli", "gateway", "--config", str(cfg)])
     rows = []
     try:
-        wait_up(f"http://127.0.0.1:{up_port}/health", upstream)
-        wait_up(f"http://127.0.0.1:{gw_port}/ready", gateway)
+        wait_ready(f"http://127.0.0.1:{up_port}/health", upstream, str, "upstream", 60)
+        wait_ready(f"http://127.0.0.1:{gw_port}/ready", gateway, str, "gateway", 60)
         direct = f"http://127.0.0.1:{up_port}/v1/completions"
         via = f"http://127.0.0.1:{gw_port}/v1/completions"
         for stream in (False, True):
@@ -189,8 +163,8 @@ def main() -> int:
             }
             rows.append((stream, lat, rps))
     finally:
-        stop(gateway)
-        stop(upstream)
+        stop_process(gateway, 15)
+        stop_process(upstream, 15)
     print(
         f"\n{args.rate:g} req/s for {args.duration:g}s per path; max rps at concurrency "
         f"{args.concurrency}"

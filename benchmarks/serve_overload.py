@@ -20,7 +20,6 @@ import asyncio
 import json
 import os
 import random
-import signal
 import subprocess
 import sys
 import time
@@ -29,7 +28,7 @@ from pathlib import Path
 
 import httpx
 
-from poise.launcher import free_port, serve_argv
+from poise.launcher import free_port, serve_argv, stop_process, wait_ready
 
 TTFT_SLO_S = 1.0
 TPOT_SLO_S = 0.100
@@ -238,27 +237,14 @@ class Replica:
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = serve_argv(model, self.port, "--log-level", "warning", *flags)
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=sys.stderr)
-        end = time.monotonic() + 300
-        while time.monotonic() < end:
-            try:
-                if httpx.get(self.url + "/ready", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            if self.proc.poll() is not None:
-                raise RuntimeError("the replica exited while starting")
-            time.sleep(0.2)
-        self.stop()
-        raise TimeoutError("the replica did not become ready")
+        try:
+            wait_ready(self.url + "/ready", self.proc, str, "the replica", 300)
+        except TimeoutError:
+            self.stop()
+            raise
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc, 60)
 
 
 def run_async(coro):  # type: ignore[no-untyped-def]

@@ -13,8 +13,8 @@ from typing import Any
 
 import yaml
 
-from poise.launcher import free_port
-from serverproc import ServerProcess, wait_ready
+from poise.launcher import free_port, stop_process, wait_ready
+from serverproc import ServerProcess
 
 
 class GatewayProcess:
@@ -40,13 +40,7 @@ class GatewayProcess:
         return self.log_path.read_text(errors="replace")[-5000:]
 
     def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        stop_process(self.proc, 20)
         self._log.close()
         return self.proc.returncode
 

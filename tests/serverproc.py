@@ -8,29 +8,11 @@ import re
 import signal
 import subprocess
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import httpx
 
-from poise.launcher import free_port, serve_argv
-
-
-def wait_ready(
-    url: str, proc: subprocess.Popen[bytes], log: Callable[[], str], what: str, timeout: float
-) -> None:
-    """Poll ``url`` until it answers 200; fail with the process's log if it exits or stalls."""
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{what} exited with {proc.returncode}:\n{log()}")
-        try:
-            if httpx.get(url, timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise TimeoutError(f"{what} not ready after {timeout}s:\n{log()}")
+from poise.launcher import free_port, serve_argv, stop_process, wait_ready
 
 
 class ServerProcess:
@@ -86,13 +68,7 @@ class ServerProcess:
             self.proc.send_signal(signal.SIGTERM)
 
     def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        stop_process(self.proc, 30)
         if self._engine_pid is not None:  # it ends by itself when the server goes; make sure
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self._engine_pid, signal.SIGKILL)

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
@@ -64,21 +65,45 @@ class Child:
         self.started_at = time.monotonic()
 
     def stop(self, timeout_s: float) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.send_signal(signal.SIGTERM)
+        if self.proc is not None:
+            stop_process(self.proc, timeout_s)
+
+
+def stop_process(proc: subprocess.Popen[bytes], timeout_s: float) -> int:
+    """SIGTERM (a poise server drains), SIGKILL if it is still there after ``timeout_s``."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
         try:
-            self.proc.wait(timeout_s)
+            proc.wait(timeout_s)
         except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+            proc.kill()
+            proc.wait()
+    return proc.returncode
 
 
-def _ready(url: str) -> bool:
+def answers_ok(url: str, timeout_s: float = 0.5) -> bool:
     try:
-        return httpx.get(url + "/ready", timeout=0.5).status_code == 200
+        return httpx.get(url, timeout=timeout_s).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+def wait_ready(
+    url: str,
+    proc: subprocess.Popen[bytes],
+    log: Callable[[], str],
+    what: str,
+    timeout: float,
+) -> None:
+    """Poll ``url`` until it answers 200; fail with the process's log if it exits or stalls."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with {proc.returncode}:\n{log()}")
+        if answers_ok(url, 2.0):
+            return
+        time.sleep(0.1)
+    raise TimeoutError(f"{what} not ready after {timeout}s:\n{log()}")
 
 
 def up(
@@ -125,7 +150,7 @@ def up(
     announced = False
     try:
         while not stopping:
-            if not announced and _ready(url):
+            if not announced and answers_ok(url + "/ready"):
                 announced = True
                 print(
                     f"poise up: ready at {url}. Try:\n"
