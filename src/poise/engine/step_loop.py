@@ -110,5 +110,7 @@ def lower_thread_priority(niceness: int) -> None:
     try:
         tid = threading.get_native_id()
         os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + niceness)
+        if os.environ.get("POISE_SCHED_IDLE"):
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
     except (AttributeError, OSError) as exc:  # not Linux, or not permitted: run as we are
         log.warning("could not lower the engine thread's priority: %s", exc)

@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from poise.asgi import ClientGoneError, EventStreamResponse, GuardMiddleware, unless_disconnected
+from poise.asgi import CancelOnDisconnect, ClientGoneError, EventStreamResponse, GuardMiddleware
 from poise.gateway.admission import PoolGate
 from poise.gateway.config import GatewaySettings, KeySettings
 from poise.gateway.forward import Attempt, Forwarder, Timeouts, Upstream
@@ -242,10 +242,6 @@ def create_gateway_app(settings: GatewaySettings) -> ASGIApp:
             if name in request.headers:
                 headers[name] = request.headers[name]
         gate = gw.gates[model]
-        try:
-            await unless_disconnected(request.receive, gate.enter(priority, deadline))
-        except ClientGoneError:
-            return Response(status_code=499)
         stream = data.get("stream") is True
         resumable = stream and _resumable(data)
         if resumable:
@@ -253,21 +249,27 @@ def create_gateway_app(settings: GatewaySettings) -> ASGIApp:
         affinity = affinity_key(text)
         cache = gw.caches.get(model)
         ckey = cache_key(path, data) if cache is not None else None
-        gw.budget.request_started()
+        entered = False
 
         def ended() -> None:
             gw.budget.request_ended()
             gate.leave()
 
         try:
-            upstream, served_by = await unless_disconnected(
-                request.receive,
-                _with_fallback(gw, model, data, raw, path, headers, deadline, stream, affinity),
-            )
+            with CancelOnDisconnect(request.receive):
+                await gate.enter(priority, deadline)
+                entered = True
+                gw.budget.request_started()
+                upstream, served_by = await _with_fallback(
+                    gw, model, data, raw, path, headers, deadline, stream, affinity
+                )
         except ClientGoneError:
-            ended()
+            if entered:
+                ended()
             return Response(status_code=499)
         except APIError as exc:
+            if not entered:
+                raise
             ended()
             cached = cache.get(ckey) if cache is not None and ckey is not None else None
             if cached is None or exc.status not in (429, 502, 503):
@@ -280,7 +282,8 @@ def create_gateway_app(settings: GatewaySettings) -> ASGIApp:
                 body, 200, {**stored_headers, **limit_headers, "x-poise-fallback": "cache"}
             )
         except BaseException:
-            ended()
+            if entered:
+                ended()
             raise
         extra = dict(limit_headers)
         if served_by != model:

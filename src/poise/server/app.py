@@ -23,8 +23,13 @@ from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from poise import __version__
-from poise.asgi import RECEIVED_AT, ClientGoneError, EventStreamResponse, GuardMiddleware
-from poise.asgi import unless_disconnected as _unless_disconnected
+from poise.asgi import (
+    RECEIVED_AT,
+    CancelOnDisconnect,
+    ClientGoneError,
+    EventStreamResponse,
+    GuardMiddleware,
+)
 from poise.config import ServerSettings
 from poise.engine.client import EngineClient
 from poise.protocol import (
@@ -178,7 +183,8 @@ def create_app(settings: ServerSettings, loader: EngineLoader = load_engine) -> 
 
     async def respond(request: Request, planned: Planned) -> Response:
         try:
-            result = await _unless_disconnected(request.receive, planned.run())
+            with CancelOnDisconnect(request.receive):
+                result = await planned.run()
         except ClientGoneError:
             return Response(status_code=499)
         finally:
