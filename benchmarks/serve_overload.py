@@ -26,6 +26,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import aiohttp
 import httpx
 
 from poise.launcher import free_port, serve_argv, stop_process, wait_ready
@@ -86,7 +87,7 @@ def pct(values: list[float], q: float) -> float | None:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
-async def one_request(client: httpx.AsyncClient, url: str, prompt: list[int]) -> Result:
+async def one_request(client: aiohttp.ClientSession, url: str, prompt: list[int]) -> Result:
     body = {
         "prompt": prompt,
         "max_tokens": OUTPUT_TOKENS,
@@ -99,14 +100,17 @@ async def one_request(client: httpx.AsyncClient, url: str, prompt: list[int]) ->
     error = None
     done = False
     try:
-        async with client.stream("POST", url + "/v1/completions", json=body) as r:
-            if r.status_code != 200:
-                await r.aread()
-                return Result(r.status_code, time.perf_counter() - t0)
+        # aiohttp, not httpx: httpx writes the headers and the body separately and yields to
+        # its loop in between, so a busy client delays its own body and the server's answer
+        # is measured late by the client's own lag.
+        async with client.post(url + "/v1/completions", json=body) as r:
+            if r.status != 200:
+                await r.read()
+                return Result(r.status, time.perf_counter() - t0)
             # Raw bytes, no JSON: the load generator shares two cores with the replica, and
             # every microsecond it spends parsing shows up as latency in its own measurements.
             tail = b""
-            async for raw in r.aiter_raw():
+            async for raw in r.content.iter_any():
                 chunk = tail + raw  # a marker may straddle two reads
                 tail = raw[-16:]
                 if first is None and b'"choices":[{' in chunk:
@@ -115,7 +119,7 @@ async def one_request(client: httpx.AsyncClient, url: str, prompt: list[int]) ->
                     error = chunk.decode(errors="replace")[:200]
                 if b"data: [DONE]" in chunk:
                     done = True
-    except httpx.HTTPError as exc:
+    except (aiohttp.ClientError, TimeoutError) as exc:
         return Result(599, time.perf_counter() - t0, error=repr(exc))
     end = time.perf_counter()
     if first is None or not done:
@@ -145,10 +149,11 @@ async def run_load(
     url: str, label: str, rate: float, duration: float, seed: int, probe: bool
 ) -> RunReport:
     rng = random.Random(seed)
-    limits = httpx.Limits(max_connections=2000, max_keepalive_connections=2000)
     probes: dict[str, list[float]] = {}
     stop = asyncio.Event()
-    async with httpx.AsyncClient(timeout=httpx.Timeout(300.0), limits=limits) as client:
+    connector = aiohttp.TCPConnector(limit=2000)
+    timeout = aiohttp.ClientTimeout(total=300.0)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as client:
         prober = asyncio.create_task(probe_loop(url, stop, probes)) if probe else None
         lags: list[float] = []
         lagger = asyncio.create_task(loop_lag(stop, lags))

@@ -123,10 +123,13 @@ def run_core(
 ) -> None:
     """The engine core process's main."""
     # The HTTP process owns shutdown (drain on SIGTERM, Ctrl-C): a signal sent to its whole
-    # process group must not kill the engine under requests still draining. A session of its
-    # own keeps group signals out; a signal sent to this pid still ends it, as it should.
+    # process group must not kill the engine under requests still draining. A process group of
+    # its own keeps group signals out; a signal sent to this pid still ends it, as it should.
+    # Not a session of its own: with autogroup scheduling (most desktop and many VM kernels) a
+    # new session is a new CPU group weighted like the HTTP process's whole session, and the
+    # engine's low priority below would then count only inside that group.
     with contextlib.suppress(OSError):
-        os.setsid()
+        os.setpgid(0, 0)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     if niceness:
