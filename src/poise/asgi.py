@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import hmac
 import json
-import logging
 import time
 from collections.abc import AsyncIterator, Sequence
 
@@ -111,6 +110,9 @@ class EventStreamResponse(Response):
 RECEIVED_AT = "poise.received_at"  # scope key: when the request reached the app (perf_counter)
 
 
+PROTECTED_PREFIXES = ("/v1/", "/debug/")  # what an API key guards when keys are set
+
+
 class GuardMiddleware:
     """Refuses bodies over the limit with 413 and, when keys are set, /v1 calls without one."""
 
@@ -120,7 +122,7 @@ class GuardMiddleware:
         self.api_keys = [k.encode() for k in api_keys]
 
     def _authorized(self, scope: Scope) -> bool:
-        if not self.api_keys or not scope["path"].startswith("/v1/"):
+        if not self.api_keys or not scope["path"].startswith(PROTECTED_PREFIXES):
             return True
         for name, value in scope["headers"]:
             if name == b"authorization" and value[:7].lower() == b"bearer ":
@@ -181,20 +183,14 @@ class GuardMiddleware:
 
 
 def uvicorn_config(app: ASGIApp, host: str, port: int, log_level: str) -> uvicorn.Config:
-    """Logging set up and uvicorn configured the same way for a replica and a gateway."""
-    logging.basicConfig(
-        level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    # A line per health check and per forwarded request is noise, not news.
-    quiet = max(logging.WARNING, logging.getLevelName(log_level.upper()))
-    for chatty in ("httpx", "httpcore"):
-        logging.getLogger(chatty).setLevel(quiet)
+    """uvicorn configured the same way for a replica and a gateway (logging is ours)."""
     return uvicorn.Config(
         app,
         host=host,
         port=port,
         log_level=log_level,
-        access_log=False,
+        log_config=None,  # observability.logs formats every line, uvicorn's too
+        access_log=False,  # poise writes its own line per request, with what matters
         # Nothing here reads the client's address, so X-Forwarded-* need no parsing per request.
         proxy_headers=False,
         timeout_graceful_shutdown=10,

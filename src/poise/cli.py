@@ -113,6 +113,8 @@ def _add_serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-body-bytes", type=int)
     p.add_argument("--enable-fault-injection", action="store_true")
     p.add_argument("--log-level")
+    p.add_argument("--log-format", choices=["auto", "json", "console"])
+    p.add_argument("--otlp-endpoint", help="send traces over OTLP/HTTP to this collector URL")
 
 
 def _gateway(args: argparse.Namespace) -> int:
@@ -121,7 +123,14 @@ def _gateway(args: argparse.Namespace) -> int:
 
     try:
         settings = load_gateway_settings(
-            args.config, {"host": args.host, "port": args.port, "log_level": args.log_level}
+            args.config,
+            {
+                "host": args.host,
+                "port": args.port,
+                "log_level": args.log_level,
+                "log_format": args.log_format,
+                "otlp_endpoint": args.otlp_endpoint,
+            },
         )
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -179,6 +188,8 @@ def build_parser() -> argparse.ArgumentParser:
     gw.add_argument("--host")
     gw.add_argument("--port", type=int)
     gw.add_argument("--log-level")
+    gw.add_argument("--log-format", choices=["auto", "json", "console"])
+    gw.add_argument("--otlp-endpoint", help="send traces over OTLP/HTTP to this collector URL")
     gw.set_defaults(func=_gateway)
 
     u = sub.add_parser("up", help="N local replicas and a gateway in front, supervised")

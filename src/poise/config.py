@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -46,7 +46,7 @@ class ServerSettings(BaseModel):
     seed: int = 0
     # Added to the engine's nice value so that HTTP work preempts its compute threads (0: off).
     # Nice only matters while something else wants the core, and then answering should win.
-    engine_niceness: int = Field(default=19, ge=0, le=19)
+    engine_niceness: int = Field(default=10, ge=0, le=19)
     # The step loop in a process of its own (as vLLM's engine core), not a thread of the HTTP one.
     engine_process: bool = True
 
@@ -65,6 +65,10 @@ class ServerSettings(BaseModel):
     max_body_bytes: int = Field(default=4 << 20, ge=1024)
     enable_fault_injection: bool = False
     log_level: str = "info"
+    log_format: Literal["auto", "json", "console"] = "auto"  # auto: console on a terminal
+    log_levels: dict[str, str] = Field(default_factory=dict)  # by logger name
+    otlp_endpoint: str | None = None  # tracing off unless this or OTEL_EXPORTER_OTLP_ENDPOINT
+    trace_content: bool = False  # record prompt and completion text in spans
 
     @property
     def model_name(self) -> str:
@@ -79,6 +83,9 @@ def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
             continue
         if "list" in str(field.annotation):
             out[name] = [part.strip() for part in raw.split(",") if part.strip()]
+        elif "dict" in str(field.annotation):  # name=value,name=value
+            pairs = (part.split("=", 1) for part in raw.split(",") if "=" in part)
+            out[name] = {k.strip(): v.strip() for k, v in pairs}
         else:
             out[name] = raw
     return out

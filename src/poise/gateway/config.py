@@ -7,6 +7,7 @@
           - url: http://127.0.0.1:8002
             weight: 2
             api_key: secret-of-that-backend
+            model: demo-v2                # the name that backend serves it under (optional)
         fallback: [demo-small]          # other models to try when this pool cannot serve
         cache_fallback: {max_entries: 1000, ttl_s: 600}   # then a stored deterministic answer
         requests_per_minute: 6000       # per-model limits (optional)
@@ -25,6 +26,9 @@
     admission: {max_inflight_per_backend: 64, max_backend_waiting: 64, max_queue: 512,
                 queue_ttl_s: 30}                # a queue, best priority first, when saturated
     rate_limits: {redis_url: redis://127.0.0.1:6379/0}   # shared by every gateway; optional
+    log_format: json                    # auto (console on a terminal), json or console
+    log_levels: {poise.gateway.health: debug}
+    otlp_endpoint: http://127.0.0.1:4318   # traces over OTLP/HTTP; off when unset
 
 An invalid file fails at start with every problem named by its dotted key.
 """
@@ -32,7 +36,7 @@ An invalid file fails at start with every problem named by its dotted key.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, HttpUrl, model_validator
 
@@ -47,6 +51,7 @@ class BackendSettings(_Strict):
     url: HttpUrl
     weight: float = Field(default=1.0, gt=0)
     api_key: str | None = None
+    model: str | None = None  # the name this backend serves the model under, when different
 
     @property
     def base(self) -> str:
@@ -146,6 +151,10 @@ class GatewaySettings(_Strict):
     rate_limits: RateLimitSettings = RateLimitSettings()
     max_body_bytes: int = Field(default=4 << 20, ge=1024)
     log_level: str = "info"
+    log_format: Literal["auto", "json", "console"] = "auto"  # auto: console on a terminal
+    log_levels: dict[str, str] = Field(default_factory=dict)  # by logger name
+    otlp_endpoint: str | None = None  # tracing off unless this or OTEL_EXPORTER_OTLP_ENDPOINT
+    trace_content: bool = False  # record prompt text in spans
 
     @model_validator(mode="after")
     def _references(self) -> GatewaySettings:

@@ -20,6 +20,7 @@ import uvicorn
 
 from poise.asgi import uvicorn_config
 from poise.config import ServerSettings
+from poise.observability.logs import configure_logging
 from poise.server.app import EngineLoader, ServerState, create_app, load_engine
 
 log = logging.getLogger("poise.server")
@@ -69,6 +70,7 @@ def serve(settings: ServerSettings, loader: EngineLoader = load_engine) -> int:
     # the HTTP loop can wait that long for the interpreter, which shows in every refusal's and
     # probe's latency. 1 ms hands it over sooner at a small cost to step time.
     sys.setswitchinterval(0.001)
+    configure_logging(settings.log_level, settings.log_levels, settings.log_format)
     app = create_app(settings, loader)
     config = uvicorn_config(app, settings.host, settings.port, settings.log_level)
     server = DrainingServer(config, app.state.poise)
