@@ -56,6 +56,8 @@ def post(g: GatewayProcess, body: dict, key: str | None = None, timeout: float =
         r = httpx.post(g.url + "/v1/completions", json=body, headers=headers, timeout=timeout)
     except httpx.HTTPError as exc:
         return f"transport {type(exc).__name__}", time.perf_counter() - t0, {}
+    if r.status_code == 503:
+        print("DBG503", r.text)
     return r.status_code, time.perf_counter() - t0, r.headers
 
 
@@ -148,7 +150,7 @@ def test_retry_budget_caps_retries_while_one_replica_fails(gateway, pair):
         results = list(pool.map(lambda _: post(g, SMALL)[0], range(60)))
     assert set(results) <= {200, 502}, results  # an explicit answer for every one
     retries = metric(g, "poise_gateway_retries_total")
-    refused = metric(g, "poise_gateway_retry_budget_refused")
+    refused = metric(g, "poise_gateway_retry_budget_exhausted_total")
     peak = metric(g, "poise_gateway_retries_peak_concurrent")
     assert results.count(200) >= retries > 0  # every retry that ran went to the healthy one
     assert refused > 0 and results.count(502) == refused  # the budget said no, and it showed
@@ -168,6 +170,9 @@ def test_flood_sheds_low_priority_while_high_priority_keeps_its_latency(gateway,
             {"key": "sk-low-0000", "name": "low", "priority": 10},
         ],
         admission={"max_inflight_per_backend": 2, "max_queue": 6, "queue_ttl_s": 10},
+        # Fourteen client threads flood two cores here: a probe may well wait a second for
+        # the engine's next step. This test is about shedding, not about health checks.
+        health={**FAST_HEALTH, "timeout_s": 2.0, "unhealthy_after": 3},
     )
     body = {**SMALL, "max_tokens": 8}
     baseline = statistics.median(post(g, body, "sk-high-000")[1] for _ in range(5))
@@ -192,7 +197,7 @@ def test_flood_sheds_low_priority_while_high_priority_keeps_its_latency(gateway,
     shed = [h for s, _, h in low_results if s == 429]
     assert shed and all(int(h["retry-after"]) >= 1 for h in shed)
     assert statuses.count(200) > 0  # shed, not starved outright
-    assert metric(g, "poise_gateway_admission_refused_total", reason="shed") > 0
+    assert metric(g, "poise_gateway_shed_total", reason="shed") > 0
 
 
 def test_redis_limits_hold_across_two_gateways(gateway, tmp_path):
@@ -226,7 +231,7 @@ def test_redis_killed_mid_run_the_gateway_serves_on_local_limits(gateway, tmp_pa
         assert before == [200] * 5 and during == [200] * 10
         assert metric(g, "poise_gateway_ratelimit_redis_up") == 0
         assert metric(g, "poise_gateway_ratelimit_fallbacks_total") >= 1
-        assert "Redis unreachable" in g.log()
+        assert "Redis unreachable" in g.log_path.read_text()
         redis_server.start()
         time.sleep(0.6)
         after = [post(g, body, "sk-generous0")[0] for _ in range(3)]
@@ -251,4 +256,4 @@ def test_cached_answer_is_the_last_fallback_and_says_so(gateway, pair):
     assert other.status_code in (502, 503) and "x-poise-fallback" not in other.headers
     sampled = httpx.post(g.url + "/v1/completions", json={**body, "temperature": 1}, timeout=30)
     assert sampled.status_code in (502, 503) and "x-poise-fallback" not in sampled.headers
-    assert metric(g, "poise_gateway_fallbacks_total", fallback="cache") == 1
+    assert metric(g, "poise_gateway_fallbacks_total", kind="cache") == 1

@@ -24,8 +24,10 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import aiohttp
+from opentelemetry import trace
 
 from poise.gateway.pool import Backend, Pool
+from poise.observability.tracing import Tracing
 from poise.protocol import DEADLINE_HEADER, APIError
 from poise.resilience.retry import RetryBudget, RetryPolicy
 
@@ -43,6 +45,7 @@ class Attempt:
     tried: list[Backend] = field(default_factory=list)
     retries: int = 0
     last_error: str | None = None
+    span: trace.Span | None = None  # the request's span: each attempt is a child of it
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +86,8 @@ class Forwarder:
         clock: Callable[[], float] = time.monotonic,
         rng: random.Random | None = None,
         on_outcome: Callable[[Backend, str], None] | None = None,
+        on_budget_exhausted: Callable[[], None] = lambda: None,
+        tracing: Tracing | None = None,
     ) -> None:
         self.session = session
         self.policy = policy
@@ -91,6 +96,8 @@ class Forwarder:
         self.clock = clock
         self.rng = rng or random.Random()
         self.on_outcome = on_outcome or (lambda backend, outcome: None)
+        self.on_budget_exhausted = on_budget_exhausted
+        self.tracer = tracing.tracer if tracing is not None else None
 
     async def send(
         self,
@@ -125,7 +132,10 @@ class Forwarder:
             delay = self.policy.delay_s(
                 journey.retries, self.rng, retry_after, deadline - self.clock()
             )
-            if delay is None or not self.budget.try_retry():
+            if delay is None:
+                raise _give_up(journey)
+            if not self.budget.try_retry():
+                self.on_budget_exhausted()
                 raise _give_up(journey)
             journey.retries += 1
             try:
@@ -145,6 +155,8 @@ class Forwarder:
         journey: Attempt,
     ) -> tuple[Upstream | None, float | None]:
         """(upstream, None) when acceptable; (None, retry_after) when worth retrying."""
+        if backend.settings.model is not None:
+            body = _renamed(body, backend.settings.model)
         sent_headers = {**headers, DEADLINE_HEADER: str(max(1, int(left_s * 1000)))}
         if backend.settings.api_key:
             sent_headers["authorization"] = f"Bearer {backend.settings.api_key}"
@@ -156,9 +168,23 @@ class Forwarder:
             sock_connect=min(t.connect_s, left_s),
             sock_read=min(t.first_byte_s, left_s),
         )
+        span = None
+        if self.tracer is not None and journey.span is not None:
+            span = self.tracer.start_span(
+                "gateway upstream attempt",
+                context=trace.set_span_in_context(journey.span),
+                kind=trace.SpanKind.CLIENT,
+                attributes={
+                    "poise.retry": journey.retries,
+                    "poise.backend": backend.url,
+                    "server.address": backend.url,
+                    "url.path": path,
+                },
+            )
+            Tracing.inject(sent_headers, span)
         started = self.clock()
         backend.inflight += 1
-        outcome = Outcome(self, pool, backend, started)
+        outcome = Outcome(self, pool, backend, started, span)
         response: aiohttp.ClientResponse | None = None
         try:
             async with asyncio.timeout(left_s):
@@ -208,14 +234,30 @@ class Forwarder:
 class Outcome:
     """Closes one attempt exactly once: in-flight count, breaker, outlier detection, metrics."""
 
-    def __init__(self, fwd: Forwarder, pool: Pool, backend: Backend, started: float) -> None:
+    def __init__(
+        self,
+        fwd: Forwarder,
+        pool: Pool,
+        backend: Backend,
+        started: float,
+        span: trace.Span | None = None,
+    ) -> None:
         self.fwd, self.pool, self.backend, self.started = fwd, pool, backend, started
+        self.span = span  # the attempt's; it lasts as long as the attempt, stream included
         self.closed = False
+
+    def _end_span(self, outcome: str) -> None:
+        if self.span is not None:
+            self.span.set_attribute("poise.outcome", outcome)
+            if outcome not in ("ok", "abandoned"):
+                self.span.set_status(trace.StatusCode.ERROR, outcome)
+            self.span.end()
 
     def done(self, outcome: str) -> None:
         if self.closed:
             return
         self.closed = True
+        self._end_span(outcome)
         self.backend.inflight -= 1
         # 429 ("overloaded") is a busy backend, not a broken one: it does not count against it.
         failed = outcome in ("error", "timeout", "connect_error")
@@ -230,6 +272,7 @@ class Outcome:
         if self.closed:
             return
         self.closed = True
+        self._end_span("abandoned")
         self.backend.inflight -= 1
         self.backend.breaker.release()
 
@@ -248,6 +291,11 @@ def _give_up(journey: Attempt) -> APIError:
         f"upstream failed after {len(journey.tried)} attempt(s): {why}",
         code="upstream_error",
     )
+
+
+def _renamed(body: bytes, model: str) -> bytes:
+    """The body with the model under the name the backend knows it by."""
+    return json.dumps({**json.loads(body), "model": model}).encode()
 
 
 def _message(data: bytes) -> str:

@@ -90,13 +90,13 @@ async def watch(
     client: httpx.AsyncClient,
     backend: Backend,
     cfg: HealthSettings,
-    on_change: Callable[[Backend, bool], None],
+    on_probe: Callable[[Backend, bool], None],
     clock: Callable[[], float] = time.monotonic,
 ) -> None:
     while True:
         ok = await check_once(client, backend, cfg, clock)
+        on_probe(backend, ok)
         changed = apply(backend, ok, cfg)
         if changed is not None:
             log.warning("backend %s is now %s", backend.url, "up" if changed else "down")
-            on_change(backend, changed)
         await asyncio.sleep(cfg.interval_s)

@@ -1,76 +1,99 @@
-"""The gateway's Prometheus metrics: outcomes, retries, breakers, ejections, limits, fallbacks."""
+"""The gateway's Prometheus metrics (``poise_gateway_`` prefix, base units, bounded labels).
+
+Events (requests, attempts, retries, sheds, probes) are counters and histograms moved where
+they happen. Live state (queues, in flight, breakers, ejections, the retry budget, Redis) is read
+at scrape time by a collector, so a gauge can never drift from the state it reports. The
+registry is injected: two gateways in one process, or a test, never share one.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from poise.resilience.breaker import BreakerState
 
 if TYPE_CHECKING:
-    from poise.gateway.admission import PoolGate
     from poise.gateway.app import Gateway
     from poise.gateway.pool import Backend
+    from poise.gateway.proxy import RequestRecord
 
 BREAKER_VALUE = {BreakerState.CLOSED: 0, BreakerState.HALF_OPEN: 1, BreakerState.OPEN: 2}
+LATENCY_BUCKETS = (
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
+QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
 class GatewayMetrics:
-    def __init__(self, gateway: Gateway) -> None:
+    def __init__(self, gateway: Gateway, registry: CollectorRegistry | None = None) -> None:
         self.gateway = gateway
-        r = self.registry = CollectorRegistry()
+        r = self.registry = registry if registry is not None else CollectorRegistry()
         self.requests = Counter(
             "poise_gateway_requests",
-            "Requests answered, by model and status.",
-            ["model", "status"],
+            "Requests answered, by model, the backend that answered (- for none) and outcome.",
+            ["model", "backend", "outcome"],
+            registry=r,
+        )
+        self.queue_wait = Histogram(
+            "poise_gateway_queue_wait_seconds",
+            "Time in the gateway's admission queue before going to a pool.",
+            ["model"],
+            buckets=QUEUE_BUCKETS,
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "poise_gateway_time_to_first_token_seconds",
+            "From the request's arrival to the first byte of a streamed answer.",
+            ["model"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "poise_gateway_request_duration_seconds",
+            "From the request's arrival to its last byte, successful answers.",
+            ["model"],
+            buckets=LATENCY_BUCKETS,
             registry=r,
         )
         self.upstream = Counter(
             "poise_gateway_upstream_attempts",
-            "Attempts on backends, by outcome.",
+            "Attempts on backends, by outcome (ok, error, overloaded, timeout, connect_error).",
             ["backend", "outcome"],
             registry=r,
         )
-        self.retries = Counter("poise_gateway_retries", "Retries made.", registry=r)
-        self.admission = Counter(
-            "poise_gateway_admission_refused",
-            "Requests refused by the gateway's admission queue, by reason.",
+        self.retries = Counter("poise_gateway_retries", "Retries made.", ["model"], registry=r)
+        self.budget_exhausted = Counter(
+            "poise_gateway_retry_budget_exhausted",
+            "Retries not made because the gateway-wide retry budget was spent.",
+            registry=r,
+        )
+        self.shed = Counter(
+            "poise_gateway_shed",
+            "Requests refused by the admission queue, by reason (shed, queue_full, deadline).",
             ["model", "reason"],
-            registry=r,
-        )
-        self.limits_fallback = Counter(
-            "poise_gateway_ratelimit_fallbacks",
-            "Rate-limit checks that found Redis unreachable and fell back to local limits.",
-            registry=r,
-        )
-        Gauge(
-            "poise_gateway_ratelimit_redis_up",
-            "1 while shared (Redis) rate limits answer; 0 while limits are local.",
-            registry=r,
-        ).set_function(lambda: float(self.gateway.limits.redis_up))
-        self.resumes = Counter(
-            "poise_gateway_stream_resumes",
-            "Streams continued on another backend after breaking mid-way, by result.",
-            ["result"],
             registry=r,
         )
         self.limited = Counter(
             "poise_gateway_rate_limited",
-            "Requests refused by a rate limit.",
+            "Requests refused by a rate limit, by the limit (scope and kind).",
             ["limit"],
             registry=r,
         )
         self.fallbacks = Counter(
             "poise_gateway_fallbacks",
-            "Requests served by a fallback model.",
-            ["model", "fallback"],
+            "Requests answered by a fallback, by the model asked for and kind (model, cache).",
+            ["model", "kind"],
             registry=r,
         )
-        self.breaker = Gauge(
-            "poise_gateway_breaker_state",
-            "0 closed, 1 half-open, 2 open.",
-            ["backend"],
+        self.resumes = Counter(
+            "poise_gateway_stream_migrations",
+            "Streams continued on another backend after breaking mid-way, by result.",
+            ["result"],
             registry=r,
         )
         self.breaker_transitions = Counter(
@@ -79,73 +102,52 @@ class GatewayMetrics:
             ["backend", "to"],
             registry=r,
         )
-        Gauge(
-            "poise_gateway_retries_peak_concurrent",
-            "The most retries ever in flight at once (the retry budget bounds it).",
-            registry=r,
-        ).set_function(lambda: self.gateway.budget.peak_retries)
-        self.healthy = Gauge(
-            "poise_gateway_backend_healthy", "1 when active checks pass.", ["backend"], registry=r
-        )
-        Gauge(
-            "poise_gateway_retry_budget_refused", "Retries refused by the budget.", registry=r
-        ).set_function(lambda: self.gateway.budget.refused_total)
-        self.ejections = Gauge(
-            "poise_gateway_ejections",
-            "Outlier ejections so far, by model.",
-            ["model"],
+        self.probes = Counter(
+            "poise_gateway_health_probes",
+            "Active health checks, by backend and result (ok, failed).",
+            ["backend", "result"],
             registry=r,
         )
-        self.inflight = Gauge(
-            "poise_gateway_backend_inflight",
-            "Gateway requests in flight per backend.",
-            ["backend"],
+        self.limits_fallback = Counter(
+            "poise_gateway_ratelimit_fallbacks",
+            "Rate-limit checks that found Redis unreachable and fell back to local limits.",
             registry=r,
         )
+        r.register(_LiveState(gateway))
 
-    def answered(self, model: str | None, status: int) -> None:
-        self.requests.labels(model or "-", str(status)).inc()
+    # ----- events -----
+    def finished(self, record: RequestRecord) -> None:
+        model = record.model or "-"
+        self.requests.labels(model, record.backend or "-", record.outcome).inc()
+        if record.queue_s is not None:
+            self.queue_wait.labels(model).observe(record.queue_s)
+        if record.outcome == "ok":
+            if record.ttft_s is not None:
+                self.ttft.labels(model).observe(record.ttft_s)
+            if record.e2e_s is not None:
+                self.e2e.labels(model).observe(record.e2e_s)
+        if record.retries:
+            self.retries.labels(model).inc(record.retries)
+        if record.fallback is not None:
+            self.fallbacks.labels(model, record.fallback.split(":")[0]).inc()
 
     def upstream_outcome(self, backend: Backend, outcome: str) -> None:
         self.upstream.labels(backend.url, outcome).inc()
-        self.inflight.labels(backend.url).set(backend.inflight)
-        pool = self.gateway.pools.get(backend.model)
-        if pool is not None:
-            self.ejections.labels(backend.model).set(pool.outliers.ejections_total)
+
+    def retry_budget_exhausted(self) -> None:
+        self.budget_exhausted.inc()
 
     def breaker_changed(self, backend: Backend, to: BreakerState) -> None:
-        self.breaker.labels(backend.url).set(BREAKER_VALUE[to])
         self.breaker_transitions.labels(backend.url, to.value).inc()
 
-    def health_changed(self, backend: Backend, healthy: bool) -> None:
-        self.healthy.labels(backend.url).set(1 if healthy else 0)
-
-    def retried(self, n: int) -> None:
-        if n:
-            self.retries.inc(n)
-
-    def watch_gates(self, gates: dict[str, PoolGate]) -> None:
-        waiting = Gauge(
-            "poise_gateway_queue_waiting",
-            "Requests waiting in the gateway's admission queue.",
-            ["model"],
-            registry=self.registry,
-        )
-        admitted = Gauge(
-            "poise_gateway_admitted",
-            "Requests let through to a pool and not yet finished.",
-            ["model"],
-            registry=self.registry,
-        )
-        for model, gate in gates.items():
-            waiting.labels(model).set_function(lambda g=gate: len(g.line))
-            admitted.labels(model).set_function(lambda g=gate: g.admitted)
+    def probed(self, backend: Backend, ok: bool) -> None:
+        self.probes.labels(backend.url, "ok" if ok else "failed").inc()
 
     def ratelimit_fallback(self) -> None:
         self.limits_fallback.inc()
 
     def admission_refused(self, model: str, reason: str) -> None:
-        self.admission.labels(model, reason).inc()
+        self.shed.labels(model, reason).inc()
 
     def stream_resumed(self, ok: bool) -> None:
         self.resumes.labels("resumed" if ok else "failed").inc()
@@ -153,5 +155,76 @@ class GatewayMetrics:
     def rate_limited(self, limit: str) -> None:
         self.limited.labels(limit).inc()
 
-    def fell_back(self, model: str, fallback: str) -> None:
-        self.fallbacks.labels(model, fallback).inc()
+
+class _LiveState(Collector):
+    """Gauges read from the gateway's state at scrape time."""
+
+    def __init__(self, gateway: Gateway) -> None:
+        self.gw = gateway
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        gw = self.gw
+        queued = GaugeMetricFamily(
+            "poise_gateway_queued_requests",
+            "Requests waiting in the admission queue.",
+            labels=["model"],
+        )
+        inflight = GaugeMetricFamily(
+            "poise_gateway_inflight_requests",
+            "Requests let through to a pool and not yet finished.",
+            labels=["model"],
+        )
+        backends = GaugeMetricFamily(
+            "poise_gateway_backends", "Backends configured, by model.", labels=["model"]
+        )
+        ejected = GaugeMetricFamily(
+            "poise_gateway_backends_ejected",
+            "Backends ejected by outlier detection now, by model.",
+            labels=["model"],
+        )
+        ejections = CounterMetricFamily(
+            "poise_gateway_ejections", "Outlier ejections so far, by model.", labels=["model"]
+        )
+        for model, gate in gw.gates.items():
+            queued.add_metric([model], len(gate.line))
+            inflight.add_metric([model], gate.admitted)
+        for model, pool in gw.pools.items():
+            backends.add_metric([model], len(pool.backends))
+            ejected.add_metric([model], sum(pool.outliers.is_ejected(b.url) for b in pool.backends))
+            ejections.add_metric([model], pool.outliers.ejections_total)
+        yield from (queued, inflight, backends, ejected, ejections)
+
+        state = GaugeMetricFamily(
+            "poise_gateway_breaker_state", "0 closed, 1 half-open, 2 open.", labels=["backend"]
+        )
+        healthy = GaugeMetricFamily(
+            "poise_gateway_backend_healthy", "1 while active checks pass.", labels=["backend"]
+        )
+        busy = GaugeMetricFamily(
+            "poise_gateway_backend_inflight",
+            "Gateway attempts in flight per backend.",
+            labels=["backend"],
+        )
+        for pool in gw.pools.values():
+            for b in pool.backends:
+                state.add_metric([b.url], BREAKER_VALUE[b.breaker.state])
+                healthy.add_metric([b.url], 1.0 if b.healthy else 0.0)
+                busy.add_metric([b.url], b.inflight)
+        yield from (state, healthy, busy)
+
+        yield GaugeMetricFamily(
+            "poise_gateway_retries_in_flight",
+            "Retries in flight now.",
+            value=gw.budget.active_retries,
+        )
+        yield GaugeMetricFamily(
+            "poise_gateway_retries_peak_concurrent",
+            "The most retries ever in flight at once (the retry budget bounds it).",
+            value=gw.budget.peak_retries,
+        )
+        if gw.limits.shared is not None:  # only where Redis is configured
+            yield GaugeMetricFamily(
+                "poise_gateway_ratelimit_redis_up",
+                "1 while shared (Redis) rate limits answer; 0 while limits are local.",
+                value=float(gw.limits.redis_up),
+            )

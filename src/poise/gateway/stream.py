@@ -45,6 +45,7 @@ class StreamPosition:
     created: int | None = None
     noted: bool = False  # the backend sends token notes: it can be resumed
     resumes: int = 0
+    failed: str | None = None  # the error event the stream ended with, if it did
 
 
 Resume = Callable[[StreamPosition, Backend | None], Awaitable[Upstream]]
@@ -146,7 +147,8 @@ async def relay(
             log.warning("stream from %s broke after it began: %s", where, exc)
             current.outcome.done("error")
             if resume is None or not position.noted or position.resumes >= max_resumes:
-                yield _error_event(502, f"the backend failed mid-stream: {exc}")
+                position.failed = f"the backend failed mid-stream: {exc}"
+                yield _error_event(502, position.failed)
                 return
             position.resumes += 1
             try:
@@ -154,9 +156,8 @@ async def relay(
             except APIError as err:
                 if on_resume is not None:
                     on_resume(False)
-                yield _error_event(
-                    err.status, f"the backend failed mid-stream and could not be resumed: {err}"
-                )
+                position.failed = f"the backend failed mid-stream and could not be resumed: {err}"
+                yield _error_event(err.status, position.failed)
                 return
             if on_resume is not None:
                 on_resume(True)

@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
+import yaml
 
 from gatewayproc import backends, gateways_before
+from poise.launcher import free_port
 from serverproc import ServerProcess
 
 FAST_HEALTH = {"interval_s": 0.5, "timeout_s": 2.0, "healthy_after": 1, "unhealthy_after": 1}
@@ -163,7 +167,7 @@ def test_a_stream_continues_on_another_replica_when_its_replica_dies(gateway, ll
         assert text == expected["choices"][0]["text"]
         assert chunks[-1]["choices"][0]["finish_reason"] == "length"
         resumed = httpx.get(g.url + "/metrics").text
-        assert 'poise_gateway_stream_resumes_total{result="resumed"} 1.0' in resumed
+        assert 'poise_gateway_stream_migrations_total{result="resumed"} 1.0' in resumed
     finally:
         for p in pair:
             p.stop()
@@ -219,3 +223,158 @@ def test_a_streamed_answer_is_charged_what_it_used_not_its_max_tokens(gateway):
     # Charged the full estimate, 300 - 201 would leave too little for a second such request.
     again = httpx.post(g.url + "/v1/completions", json=body, headers=auth, timeout=30)
     assert again.status_code == 200, again.text
+
+
+def gateway_metric(url: str, name: str, **labels: str) -> float:
+    """Sum of a metric over the series whose labels include ``labels`` (0 when none)."""
+    text = httpx.get(url + "/metrics", timeout=5).text
+    total = 0.0
+    for line in text.splitlines():
+        head, _, value = line.rpartition(" ")
+        series, _, rest = head.partition("{")
+        if series == name and all(f'{k}="{v}"' in rest for k, v in labels.items()):
+            total += float(value)
+    return total
+
+
+def test_gateway_metrics_move_by_exactly_what_happened(gateway, replicas):
+    """A known sequence (successes, a stream, a rate limit, a retry then a fallback to another
+    model's pool, a shed) moves the counters by exactly those amounts."""
+    failing, serving = replicas
+    failing.faults(fail_steps=10**6)  # every completion it is sent fails with a 500
+    g = gateway(
+        models={
+            "m": {"backends": [{"url": serving.url}]},
+            "r": {"backends": [{"url": failing.url, "model": "m"}], "fallback": ["m"]},
+        },
+        keys=[
+            {"key": "sk-free-0000", "name": "free", "priority": 0},
+            {"key": "sk-limited00", "name": "limited", "requests_per_minute": 2},
+            {"key": "sk-low-00000", "name": "low", "priority": 10},
+        ],
+        retry={"max_retries": 1, "base_s": 0.001, "cap_s": 0.002},
+        breaker={"min_calls": 1000},
+        ejection={"consecutive_failures": 1000},
+        admission={"max_inflight_per_backend": 1, "max_queue": 1, "queue_ttl_s": 30},
+        # Liveness only: the failing replica's steps fail, its HTTP side does not.
+        health={**FAST_HEALTH, "generate_probe": False},
+    )
+    body = {"model": "m", "prompt": "count me", "max_tokens": 3, "temperature": 0}
+
+    def post(key: str, **extra: object) -> httpx.Response:
+        return httpx.post(
+            g.url + "/v1/completions",
+            json={**body, **extra},
+            headers={"Authorization": f"Bearer {key}"},
+            timeout=60,
+        )
+
+    assert [post("sk-free-0000").status_code for _ in range(3)] == [200] * 3
+    with httpx.stream(
+        "POST",
+        g.url + "/v1/completions",
+        json={**body, "stream": True},
+        headers={"Authorization": "Bearer sk-free-0000"},
+        timeout=60,
+    ) as s:
+        assert s.status_code == 200 and "[DONE]" in s.read().decode()
+    assert [post("sk-limited00").status_code for _ in range(3)] == [200, 200, 429]
+    fell_back = post("sk-free-0000", model="r")
+    assert fell_back.status_code == 200 and fell_back.headers["x-poise-fallback"] == "model:m"
+
+    # Shed: one slow request holds the only place, a low-priority one waits in the one-place
+    # queue, and a high-priority one arriving pushes it out.
+    serving.faults(step_delay_s=0.1)
+    with ThreadPoolExecutor(3) as pool:
+        slow = pool.submit(post, "sk-free-0000", max_tokens=20)
+        time.sleep(0.6)
+        low = pool.submit(post, "sk-low-00000")
+        time.sleep(0.4)
+        high = pool.submit(post, "sk-free-0000")
+        assert low.result().status_code == 429 and low.result().json()["error"]["code"] == "shed"
+        assert slow.result().status_code == 200 and high.result().status_code == 200
+    serving.faults(step_delay_s=0)
+
+    m = lambda name, **labels: gateway_metric(g.url, name, **labels)  # noqa: E731
+    assert m("poise_gateway_requests_total", model="m", outcome="ok") == 3 + 1 + 2 + 2
+    assert m("poise_gateway_requests_total", outcome="rate_limited") == 1
+    assert m("poise_gateway_rate_limited_total", limit="key:limited:rpm") == 1
+    assert m("poise_gateway_requests_total", model="r", backend=serving.url, outcome="ok") == 1
+    assert m("poise_gateway_upstream_attempts_total", backend=failing.url, outcome="error") == 2
+    assert m("poise_gateway_retries_total", model="r") == 1
+    assert m("poise_gateway_retries_total") == 1
+    assert m("poise_gateway_fallbacks_total", model="r", kind="model") == 1
+    assert m("poise_gateway_shed_total", model="m", reason="shed") == 1
+    assert m("poise_gateway_requests_total", outcome="shed") == 1
+    assert m("poise_gateway_time_to_first_token_seconds_count", model="m") == 1
+    assert m("poise_gateway_request_duration_seconds_count") == 3 + 1 + 2 + 1 + 2
+    assert m("poise_gateway_inflight_requests") == 0 and m("poise_gateway_queued_requests") == 0
+    assert m("poise_gateway_health_probes_total", result="ok") > 0
+
+
+def test_one_json_log_line_per_request_without_the_prompt(gateway):
+    g = gateway()
+    r = httpx.post(
+        g.url + "/v1/completions",
+        json={"model": "m", "prompt": "secret prompt text", "max_tokens": 2},
+        headers={"x-request-id": "req-abc-123"},
+        timeout=60,
+    )
+    assert r.status_code == 200 and r.headers["x-request-id"] == "req-abc-123"
+    assert httpx.post(g.url + "/v1/completions", json={"model": "nope"}).status_code == 404
+    g.stop()
+    lines = [json.loads(x) for x in g.log_path.read_text().splitlines() if x.startswith("{")]
+    requests = [x for x in lines if x.get("event") == "request"]
+    ok = next(x for x in requests if x["request_id"] == "req-abc-123")
+    assert ok["model"] == "m" and ok["status"] == 200 and ok["outcome"] == "ok"
+    assert ok["backend"].startswith("http://127.0.0.1:") and ok["output_tokens"] == 2
+    assert (
+        ok["duration_ms"] > 0 and ok["level"] == "info" and ok["logger"] == "poise.gateway.access"
+    )
+    missing = next(x for x in requests if x["status"] == 404)
+    assert missing["outcome"] == "client_error" and missing["model"] == "nope"
+    assert "secret prompt text" not in g.log_path.read_text()
+
+
+def exported_names(url: str) -> set[str]:
+    """Every sample name a ``/metrics`` page can carry, from its TYPE lines."""
+    names: set[str] = set()
+    for line in httpx.get(url + "/metrics", timeout=5).text.splitlines():
+        if line.startswith("# TYPE "):
+            _, _, name, kind = line.split(" ", 3)
+            names.add(name)
+            if kind == "histogram":
+                names |= {name + "_bucket", name + "_count", name + "_sum"}
+    return names
+
+
+def test_dashboard_and_alerts_name_only_metrics_poise_exports(gateway, replicas):
+    # With Redis configured (here unreachable) the gateway also exports its Redis state.
+    g = gateway(rate_limits={"redis_url": f"redis://127.0.0.1:{free_port()}/0"})
+    httpx.post(g.url + "/v1/completions", json={"model": "m", "prompt": "x", "max_tokens": 2})
+    exported = exported_names(g.url) | exported_names(replicas[0].url)
+    deploy = Path(__file__).resolve().parents[3] / "deploy"
+    rules = yaml.safe_load((deploy / "prometheus" / "alerts.yml").read_text())["groups"]
+    recorded = {r["record"] for grp in rules for r in grp["rules"] if "record" in r}
+    exprs = [r["expr"] for grp in rules for r in grp["rules"]]
+    dashboard = json.loads((deploy / "grafana" / "poise.json").read_text())
+    exprs += [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    named = set()
+    for expr in exprs:
+        named |= set(re.findall(r"\b(poise_[a-z0-9_]+|vllm:[a-z0-9_]+|poise:[a-z0-9_:]+)", expr))
+    assert named, "the expressions name poise's metrics"
+    unknown = {n for n in named if n not in exported and n not in recorded}
+    assert not unknown, f"named but never exported: {sorted(unknown)}"
+
+
+def test_debug_state_shows_breakers_queues_and_budget_behind_the_api_key(gateway, replicas):
+    g = gateway(keys=[{"key": "sk-ops-00000", "name": "ops"}])
+    assert httpx.get(g.url + "/debug/state").status_code == 401
+    state = httpx.get(g.url + "/debug/state", headers={"Authorization": "Bearer sk-ops-00000"})
+    assert state.status_code == 200
+    body = state.json()
+    pool = body["models"]["m"]
+    assert {b["url"] for b in pool["backends"]} == {r.url for r in replicas}
+    assert all(b["breaker"] == "closed" and b["healthy"] for b in pool["backends"])
+    assert pool["queue"] == {"waiting": 0, "admitted": 0} and not pool["saturated"]
+    assert body["retry_budget"]["active_retries"] == 0 and body["rate_limits"]["shared"] is False

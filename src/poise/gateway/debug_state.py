@@ -1,0 +1,64 @@
+"""``/debug/state``: the gateway's live state as JSON, for an operator asking "why?".
+
+Breakers, health, ejections, load reports, queues and the retry budget, as the gateway sees
+them at this instant. It is protected like the API (a configured key is required when keys are
+configured) because it names every backend.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from poise.gateway.app import Gateway
+
+
+def gateway_state(gw: Gateway) -> dict[str, Any]:
+    now = gw.clock()
+    models: dict[str, Any] = {}
+    for name, pool in gw.pools.items():
+        gate = gw.gates[name]
+        backends = []
+        for b in pool.backends:
+            load = b.load
+            backends.append(
+                {
+                    "url": b.url,
+                    "weight": b.settings.weight,
+                    "healthy": b.healthy,
+                    "checked": b.checked,
+                    "breaker": b.breaker.state.value,
+                    "ejected": pool.outliers.is_ejected(b.url),
+                    "inflight": b.inflight,
+                    "reported_load": {
+                        "waiting": load.waiting,
+                        "running": load.running,
+                        "kv_usage": load.kv_usage,
+                        "age_s": None if load.at is None else round(now - load.at, 3),
+                    },
+                }
+            )
+        models[name] = {
+            "backends": backends,
+            "eligible": [b.url for b in pool.eligible()],
+            "ejections_total": pool.outliers.ejections_total,
+            "queue": {"waiting": len(gate.line), "admitted": gate.admitted},
+            "capacity": gate.capacity(),
+            "saturated": gate.saturated,
+            "fallback": list(gw.settings.models[name].fallback),
+        }
+    budget = gw.budget
+    return {
+        "role": "gateway",
+        "models": models,
+        "retry_budget": {
+            "active_retries": budget.active_retries,
+            "limit": budget.limit,
+            "peak": budget.peak_retries,
+            "refused_total": budget.refused_total,
+        },
+        "rate_limits": {
+            "shared": gw.limits.shared is not None,
+            "redis_up": gw.limits.redis_up if gw.limits.shared is not None else None,
+        },
+    }

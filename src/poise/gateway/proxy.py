@@ -1,0 +1,454 @@
+"""One proxied request, start to end: auth, limits, the queue, a pool, fallbacks, the answer.
+
+It reads only what it needs from a body (model, stream, max_tokens, the prompt's leading text
+for affinity) and forwards the bytes as they came, so whatever a backend understands passes
+through. Every answer it makes itself is in OpenAI's error shape.
+
+Each request keeps a ``RequestRecord``; when the request ends, on every path, the record moves
+the metrics, writes the one log line per request and closes the request's span.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+from opentelemetry import trace
+
+from poise.asgi import CancelOnDisconnect, ClientGoneError, EventStreamResponse
+from poise.gateway.forward import Attempt, Upstream
+from poise.gateway.pool import Backend, affinity_key
+from poise.gateway.response_cache import cache_key
+from poise.gateway.stream import StreamPosition, relay
+from poise.observability import tracing as tr
+from poise.protocol import STREAM_TOKENS_HEADER, APIError
+from poise.resilience.ratelimit import Charge
+
+if TYPE_CHECKING:
+    from poise.gateway.app import Gateway
+
+log = logging.getLogger("poise.gateway.access")
+
+Proxy = Callable[[Request, str], Awaitable[Response]]
+REQUEST_ID_HEADER = "x-request-id"
+# Usage sits at the end of a completion; a search of the tail is cheaper than parsing it all.
+_COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
+_PROMPT_TOKENS = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
+# An APIError's code, as the outcome label of the request counter.
+_OUTCOMES = {
+    "rate_limit_exceeded": "rate_limited",
+    "queue_full": "shed",
+    "shed": "shed",
+    "overloaded": "overloaded",
+    "no_backend": "no_backend",
+    "upstream_error": "upstream_error",
+    "timeout": "timeout",
+}
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    """What one request did, for its metrics, its log line and its span."""
+
+    request_id: str
+    path: str
+    arrived: float  # perf_counter
+    model: str | None = None
+    key: str | None = None
+    priority: int = 0
+    stream: bool = False
+    status: int = 0
+    outcome: str = "error"
+    backend: str | None = None
+    fallback: str | None = None
+    retries: int = 0
+    queue_s: float | None = None
+    ttft_s: float | None = None
+    e2e_s: float | None = None
+    input_tokens: int | None = None
+    output_tokens: int | None = None
+    error: str | None = None
+
+    def failed(self, exc: APIError) -> None:
+        self.status = exc.status
+        default = "shed" if exc.status == 429 else "client_error" if exc.status < 500 else "error"
+        self.outcome = _OUTCOMES.get(exc.code or "", default)
+        self.error = str(exc.body()["error"]["message"])[:300]
+
+
+def make_proxy(gw: Gateway) -> Proxy:
+    """The handler of the proxied routes, bound to one gateway."""
+
+    async def proxy(request: Request, path: str) -> Response:
+        rid = request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
+        record = RequestRecord(rid, path, time.perf_counter())
+        span = None
+        if gw.tracing.tracer is not None:
+            span = gw.tracing.tracer.start_span(
+                f"gateway {path}",
+                context=gw.tracing.extract(request.headers),
+                kind=trace.SpanKind.SERVER,
+                attributes={"http.request.method": "POST", "url.path": path},
+            )
+        try:
+            response = await _handle(gw, request, path, record, span)
+        except APIError as exc:
+            record.failed(exc)
+            response = JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+        except ClientGoneError:
+            record.status, record.outcome = 499, "client_gone"
+            response = Response(status_code=499)
+        except BaseException:
+            record.outcome = "error"
+            _finish(gw, record, span)
+            raise
+        response.headers[REQUEST_ID_HEADER] = rid
+        if not isinstance(response, EventStreamResponse):
+            _finish(gw, record, span)
+        return response
+
+    return proxy
+
+
+def _finish(gw: Gateway, record: RequestRecord, span: trace.Span | None) -> None:
+    if record.e2e_s is None and record.outcome == "ok":
+        record.e2e_s = time.perf_counter() - record.arrived
+    gw.metrics.finished(record)
+    if span is not None:
+        tr.set_attributes(
+            span,
+            {
+                "http.response.status_code": record.status,
+                tr.REQUEST_MODEL: record.model,
+                tr.INPUT_TOKENS: record.input_tokens,
+                tr.OUTPUT_TOKENS: record.output_tokens,
+                "poise.request_id": record.request_id,
+                "poise.outcome": record.outcome,
+                "poise.backend": record.backend,
+                "poise.retries": record.retries,
+                "poise.fallback": record.fallback,
+            },
+        )
+        if record.status >= 500:
+            span.set_status(trace.StatusCode.ERROR, record.error)
+        span.end()
+    # One line per request: what an operator greps for. Never the prompt or the answer.
+    log.info(
+        "request",
+        extra={
+            "request_id": record.request_id,
+            "trace_id": tr.trace_id(span),
+            "path": record.path,
+            "model": record.model,
+            "key": record.key,
+            "priority": record.priority,
+            "stream": record.stream,
+            "status": record.status,
+            "outcome": record.outcome,
+            "backend": record.backend,
+            "fallback": record.fallback,
+            "retries": record.retries,
+            "queue_ms": _ms(record.queue_s),
+            "ttft_ms": _ms(record.ttft_s),
+            "duration_ms": _ms(time.perf_counter() - record.arrived),
+            "input_tokens": record.input_tokens,
+            "output_tokens": record.output_tokens,
+            "error": record.error,
+        },
+    )
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(1000 * seconds, 2)
+
+
+async def _handle(
+    gw: Gateway, request: Request, path: str, record: RequestRecord, span: trace.Span | None
+) -> Response:
+    key = gw.authenticate(request)
+    record.key = key.name if key else None
+    raw = await request.body()
+    data = _parse(raw)
+    model = record.model = data["model"]
+    if model not in gw.pools:
+        raise APIError(
+            404, f"the model {model!r} does not exist", param="model", code="model_not_found"
+        )
+    deadline = gw.deadline(request)
+    text = _prompt_text(data)
+    estimate = _estimate_tokens(data, text)
+    charges = gw.charges(key, model, estimate)
+    limit_headers: dict[str, str] = {}
+    if charges:
+        decision = await gw.limits.check(charges)
+        limit_headers = decision.headers()  # on every answer, as OpenAI sends them
+        if not decision.allowed:
+            gw.metrics.rate_limited(decision.refused_by or "")
+            raise APIError(
+                429,
+                f"rate limit reached for {decision.refused_by}",
+                code="rate_limit_exceeded",
+                headers=decision.headers(),
+            )
+    headers = {"content-type": "application/json", REQUEST_ID_HEADER: record.request_id}
+    priority = key.priority if key else 0
+    if priority:
+        asked = data.get("priority")
+        # A client may lower its own importance below its key's, never raise it.
+        if isinstance(asked, int) and asked > priority:
+            priority = asked
+        headers["x-priority"] = str(priority)
+    record.priority = priority
+    if span is not None:
+        tr.set_attributes(
+            span,
+            {
+                tr.OPERATION: "chat" if path.endswith("chat/completions") else "text_completion",
+                tr.REQUEST_MODEL: model,
+                tr.MAX_TOKENS: data.get("max_tokens"),
+                tr.TEMPERATURE: data.get("temperature"),
+            },
+        )
+        if gw.tracing.record_content:
+            span.set_attribute(tr.PROMPT_TEXT, text)
+    else:
+        for name in ("traceparent", "tracestate"):
+            if name in request.headers:
+                headers[name] = request.headers[name]
+    gate = gw.gates[model]
+    stream = record.stream = data.get("stream") is True
+    resumable = stream and _resumable(data)
+    if resumable:
+        headers[STREAM_TOKENS_HEADER] = "1"
+    affinity = affinity_key(text)
+    cache = gw.caches.get(model)
+    ckey = cache_key(path, data) if cache is not None else None
+    entered = False
+
+    def ended() -> None:
+        gw.budget.request_ended()
+        gate.leave()
+
+    journeys: list[Attempt] = []
+    try:
+        with CancelOnDisconnect(request.receive):
+            queued_at = time.perf_counter()
+            admission = _child(gw, span, "gateway admission", {"poise.priority": priority})
+            try:
+                await gate.enter(priority, deadline)
+            finally:
+                if admission is not None:
+                    admission.end()
+                record.queue_s = time.perf_counter() - queued_at
+            entered = True
+            gw.budget.request_started()
+            upstream, served_by = await _with_fallback(
+                gw, model, data, raw, path, headers, deadline, stream, affinity, span, journeys
+            )
+    except ClientGoneError:
+        if entered:
+            ended()
+        raise
+    except APIError as exc:
+        record.retries = sum(j.retries for j in journeys)
+        if not entered:
+            raise
+        ended()
+        cached = cache.get(ckey) if cache is not None and ckey is not None else None
+        if cached is None or exc.status not in (429, 502, 503):
+            raise
+        log.warning("model %s: every pool failed (%s); answered from the cache", model, exc)
+        record.status, record.outcome, record.fallback = 200, "ok", "cache"
+        body, stored_headers = cached
+        return Response(body, 200, {**stored_headers, **limit_headers, "x-poise-fallback": "cache"})
+    except BaseException:
+        if entered:
+            ended()
+        raise
+    record.retries = sum(j.retries for j in journeys)
+    record.backend = upstream.backend.url if upstream.backend is not None else None
+    extra = dict(limit_headers)
+    if served_by != model:
+        extra["x-poise-fallback"] = record.fallback = f"model:{served_by}"
+    if upstream.body is not None:
+        ended()
+        record.status = upstream.status
+        record.outcome = "ok" if upstream.status < 400 else _upstream_outcome(upstream.status)
+        if upstream.status == 200:
+            tail = upstream.body[-400:]
+            record.output_tokens = _int(_COMPLETION_TOKENS.search(tail))
+            record.input_tokens = _int(_PROMPT_TOKENS.search(tail))
+            if charges:
+                await _reconcile(gw, charges, upstream.body)
+            if cache is not None and ckey is not None and served_by == model:
+                cache.put(ckey, upstream.body, upstream.headers)
+        return Response(upstream.body, upstream.status, {**upstream.headers, **extra})
+
+    async def resume(position: StreamPosition, failed: Backend | None) -> Upstream:
+        assert gw.forwarder is not None
+        state = {
+            "token_ids": position.token_ids,
+            "text_chars": position.text_chars,
+            "id": position.id,
+            "created": position.created,
+        }
+        body = json.dumps({**data, "model": served_by, "poise_resume": state}).encode()
+        journey = Attempt(tried=[failed] if failed is not None else [], span=span)
+        return await gw.forwarder.send(
+            gw.pools[served_by], path, body, headers, deadline, True, affinity, journey
+        )
+
+    async def events() -> AsyncIterator[bytes]:
+        position = StreamPosition()
+        record.status, record.outcome = 200, "ok"
+        record.ttft_s = time.perf_counter() - record.arrived
+        try:
+            async for chunk in relay(
+                upstream,
+                gw.settings.timeouts.stream_idle_s,
+                resume if resumable else None,
+                on_resume=gw.metrics.stream_resumed,
+                position=position,
+            ):
+                yield chunk
+        except BaseException:
+            record.outcome = "client_gone"
+            raise
+        finally:
+            ended()
+            if position.failed:
+                record.outcome, record.error = "upstream_error", position.failed
+            if position.noted:
+                record.output_tokens = len(position.token_ids)
+            record.e2e_s = time.perf_counter() - record.arrived
+            _finish(gw, record, span)
+            if charges and position.noted:
+                # The notes counted the tokens generated: charge those, not max_tokens.
+                # (The prompt's share stays estimated: a stream does not say it.)
+                used = estimate - _max_output_tokens(data) + len(position.token_ids)
+                await _adjust_tokens(gw, charges, used)
+
+    response = EventStreamResponse(events())
+    for k, v in extra.items():
+        response.headers[k] = v
+    return response
+
+
+def _child(
+    gw: Gateway, parent: trace.Span | None, name: str, attrs: dict[str, Any]
+) -> trace.Span | None:
+    if parent is None or gw.tracing.tracer is None:
+        return None
+    return gw.tracing.tracer.start_span(
+        name, context=trace.set_span_in_context(parent), attributes=attrs
+    )
+
+
+def _int(match: re.Match[bytes] | None) -> int | None:
+    return None if match is None else int(match.group(1))
+
+
+def _upstream_outcome(status: int) -> str:
+    return "client_error" if status < 500 else "upstream_error"
+
+
+async def _with_fallback(
+    gw: Gateway,
+    model: str,
+    data: dict[str, Any],
+    raw: bytes,
+    path: str,
+    headers: dict[str, str],
+    deadline: float,
+    stream: bool,
+    affinity: bytes | None,
+    span: trace.Span | None,
+    journeys: list[Attempt],
+) -> tuple[Upstream, str]:
+    assert gw.forwarder is not None
+    chain = [model, *gw.settings.models[model].fallback]
+    last: APIError | None = None
+    for i, name in enumerate(chain):
+        body = raw if i == 0 else json.dumps({**data, "model": name}).encode()
+        journey = Attempt(span=span)
+        journeys.append(journey)
+        try:
+            upstream = await gw.forwarder.send(
+                gw.pools[name], path, body, headers, deadline, stream, affinity, journey
+            )
+        except APIError as exc:
+            if exc.status not in (429, 502, 503):
+                raise
+            last = exc
+            continue
+        return upstream, name
+    assert last is not None
+    raise last
+
+
+async def _reconcile(gw: Gateway, charges: list[Charge], body: bytes) -> None:
+    try:
+        used = float(json.loads(body)["usage"]["total_tokens"])
+    except (ValueError, KeyError, TypeError):
+        return
+    await _adjust_tokens(gw, charges, used)
+
+
+async def _adjust_tokens(gw: Gateway, charges: list[Charge], used: float) -> None:
+    """Give back (or charge) the difference between the estimate taken and the real use."""
+    for c in charges:
+        if c.kind == "tokens":
+            await gw.limits.adjust(Charge(c.key, c.limit, used - c.cost, c.kind))
+
+
+def _parse(body: bytes) -> dict[str, Any]:
+    try:
+        data = json.loads(body)
+    except ValueError:
+        raise APIError(400, "the body is not valid JSON") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "the body must be a JSON object")
+    if not isinstance(data.get("model"), str):
+        raise APIError(400, "model is required", param="model")
+    return data
+
+
+def _resumable(data: dict[str, Any]) -> bool:
+    """One streamed choice without logprobs: what a poise backend can resume mid-stream."""
+    return (data.get("n") in (None, 1)) and not data.get("logprobs") and not data.get("echo")
+
+
+def _prompt_text(data: dict[str, Any]) -> str:
+    if "messages" in data and isinstance(data["messages"], list):
+        parts = []
+        for m in data["messages"]:
+            content = m.get("content") if isinstance(m, dict) else None
+            if isinstance(content, str):
+                parts.append(content)
+        return "\n".join(parts)
+    prompt = data.get("prompt")
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    return prompt if isinstance(prompt, str) else json.dumps(prompt)[:512]
+
+
+def _max_output_tokens(data: dict[str, Any]) -> float:
+    max_tokens = data.get("max_tokens") or data.get("max_completion_tokens") or 256
+    n = data.get("n") or 1
+    try:
+        return float(max_tokens) * float(n)
+    except (TypeError, ValueError):
+        return 256.0
+
+
+def _estimate_tokens(data: dict[str, Any], text: str) -> float:
+    """Prompt (about four characters a token) plus the most the answer may use."""
+    return len(text) / 4 + _max_output_tokens(data)
