@@ -288,3 +288,9 @@ def test_api_keys(start_server):
     assert wrong.status_code == 401 and wrong.json()["error"]["type"] == "authentication_error"
     assert post(server, body, Authorization="Bearer k2").status_code == 200
     assert httpx.get(server.url + "/health").status_code == 200
+    # The live state names the engine's internals: guarded like the API.
+    assert httpx.get(server.url + "/debug/state").status_code == 401
+    state = httpx.get(server.url + "/debug/state", headers={"Authorization": "Bearer k1"}).json()
+    assert state["role"] == "replica" and state["phase"] == "ready"
+    assert state["kv_cache"]["total_blocks"] > 0 and state["kv_cache"]["usage"] == 0
+    assert state["engine"]["running"] == 0 and state["health"]["healthy"] is True

@@ -46,6 +46,7 @@ class OutputDelta(NamedTuple):
     logprobs: list[dict[int, float]] | None  # entries new since the last delta; None: not asked
     num_cached_tokens: int
     error: str | None
+    first_scheduled_time: float | None
     first_token_time: float | None
     finished_time: float | None
 
@@ -79,6 +80,7 @@ class PipeSink:
                     new_logprobs,
                     out.num_cached_tokens,
                     out.error,
+                    out.first_scheduled_time,
                     out.first_token_time,
                     out.finished_time,
                 )

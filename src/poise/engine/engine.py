@@ -279,6 +279,7 @@ class LLMEngine:
             if request.status in (RequestStatus.FINISHED_TIMEOUT, RequestStatus.FINISHED_ERROR)
             else None,
             arrival_time=request.arrival_time,
+            first_scheduled_time=request.first_scheduled_time,
             first_token_time=tracked.first_token_time,
             finished_time=self.clock() if finished else None,
         )

@@ -29,6 +29,7 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     error: str | None = None  # why it ended, for timeout and error
     arrival_time: float = 0.0
+    first_scheduled_time: float | None = None  # left the waiting queue (monotonic, as all)
     first_token_time: float | None = None
     finished_time: float | None = None
 

@@ -70,6 +70,7 @@ class _Accumulated:
             num_cached_tokens=d.num_cached_tokens,
             error=d.error,
             arrival_time=request.arrival_time,
+            first_scheduled_time=d.first_scheduled_time,
             first_token_time=d.first_token_time,
             finished_time=d.finished_time,
         )

@@ -18,6 +18,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from opentelemetry.sdk.trace import TracerProvider
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -32,6 +33,8 @@ from poise.asgi import (
 )
 from poise.config import ServerSettings
 from poise.engine.client import EngineClient
+from poise.observability import tracing as tr
+from poise.observability.tracing import Tracing, otlp_provider, start_request
 from poise.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -110,8 +113,18 @@ def _error_response(exc: APIError) -> JSONResponse:
     return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
 
-def create_app(settings: ServerSettings, loader: EngineLoader = load_engine) -> FastAPI:
+def create_app(
+    settings: ServerSettings,
+    loader: EngineLoader = load_engine,
+    tracer_provider: TracerProvider | None = None,
+) -> FastAPI:
     state = ServerState(settings)
+    tracing = Tracing(
+        tracer_provider
+        if tracer_provider is not None
+        else otlp_provider("poise-replica", settings.otlp_endpoint),
+        record_content=settings.trace_content,
+    )
 
     async def load() -> None:
         try:
@@ -181,27 +194,68 @@ def create_app(settings: ServerSettings, loader: EngineLoader = load_engine) -> 
         log.exception("unhandled error on %s", request.url.path)
         return _error_response(APIError(500, f"internal error: {type(exc).__name__}"))
 
-    async def respond(request: Request, planned: Planned) -> Response:
+    async def respond(
+        request: Request,
+        body: CompletionRequest | ChatCompletionRequest,
+        plan: Callable[[], Planned],
+    ) -> Response:
+        rt = start_request(
+            tracing,
+            request.headers,
+            f"replica {request.url.path}",
+            {
+                tr.OPERATION: "chat"
+                if isinstance(body, ChatCompletionRequest)
+                else "text_completion",
+                tr.REQUEST_MODEL: body.model,
+                tr.MAX_TOKENS: body.max_tokens,
+                tr.TEMPERATURE: body.temperature,
+            },
+        )
+        try:
+            planned = plan()
+        except APIError as exc:
+            if rt is not None:
+                rt.end(exc.status, str(exc))
+            raise
+        if rt is not None:
+            planned.traced_by(rt)
         try:
             with CancelOnDisconnect(request.receive):
                 result = await planned.run()
         except ClientGoneError:
+            if rt is not None:
+                rt.end(499)
             return Response(status_code=499)
+        except APIError as exc:
+            if rt is not None:
+                rt.end(exc.status, str(exc))
+            raise
+        except BaseException:
+            if rt is not None:
+                rt.end(500, "internal error")
+            raise
         finally:
             planned.release_if_unstarted()
         if isinstance(result, dict):
+            if rt is not None:
+                rt.end(200)
             return JSONResponse(result)
-        return EventStreamResponse(result)
+        return EventStreamResponse(result if rt is None else rt.wrap(result))
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         replica = state.require()
-        return await respond(request, create_completion(replica, body, request.headers))
+        return await respond(
+            request, body, lambda: create_completion(replica, body, request.headers)
+        )
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         replica = state.require()
-        return await respond(request, create_chat_completion(replica, body, request.headers))
+        return await respond(
+            request, body, lambda: create_chat_completion(replica, body, request.headers)
+        )
 
     @app.get("/v1/models")
     async def models() -> ModelList:
@@ -236,6 +290,11 @@ def create_app(settings: ServerSettings, loader: EngineLoader = load_engine) -> 
         return JSONResponse(
             {"status": "ready" if ok else "not ready", "reason": why}, 200 if ok else 503
         )
+
+    @app.get("/debug/state")
+    async def debug_state() -> JSONResponse:
+        replica = state.require()
+        return JSONResponse(replica.debug_state())
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -33,6 +33,7 @@ class EngineSnapshot:
     step_errors: int
     seconds_since_progress: float
     healthy: bool
+    ready: bool
     admission_waiting: int
     admission_waiting_tokens: int
     predicted_wait_s: float
@@ -74,6 +75,11 @@ class _EngineCollector(Collector):
         )
         yield gauge(
             "poise_engine_healthy", "1 if the watchdog finds the engine healthy.", s.healthy
+        )
+        yield gauge(
+            "poise_replica_ready",
+            "1 when /ready says ready (loaded, not draining, healthy, not saturated).",
+            s.ready,
         )
         yield gauge(
             "poise_admission_waiting_requests",

@@ -17,6 +17,7 @@ from poise.engine.errors import InvalidRequestError
 from poise.engine.intake import Resume
 from poise.engine.outputs import RequestOutput
 from poise.engine.request import SamplingParams
+from poise.observability.tracing import INPUT_TOKENS, RESPONSE_ID, RequestTrace
 from poise.protocol import (
     DEADLINE_HEADER,
     STREAM_TOKENS_HEADER,
@@ -312,6 +313,13 @@ class Planned:
         if self.stream:
             return await _stream(self.call, self.top, self.include_usage)
         return await _collect(self.call, self.top, self.echo)
+
+    def traced_by(self, rt: RequestTrace) -> None:
+        """Report the engine's phases of every choice to the request's trace."""
+        rt.span.set_attribute(INPUT_TOKENS, self.call.prompt_tokens)
+        rt.span.set_attribute(RESPONSE_ID, self.call.response_id)
+        for p in self.call.group:
+            p.trace = rt
 
     def release_if_unstarted(self) -> None:
         if not self.started:

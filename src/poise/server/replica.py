@@ -15,6 +15,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Any
 
 from poise.config import ServerSettings
 from poise.engine.client import EngineClient
@@ -22,6 +23,7 @@ from poise.engine.errors import EngineDeadError, InvalidRequestError
 from poise.engine.intake import Resume
 from poise.engine.outputs import RequestOutput
 from poise.engine.request import Request, SamplingParams
+from poise.observability.tracing import RequestTrace
 from poise.protocol import APIError, deadline_budget_s
 from poise.resilience.admission import AdmissionConfig, AdmissionController
 from poise.server.metrics import EngineSnapshot, ServerMetrics
@@ -42,6 +44,7 @@ class Phase(enum.Enum):
 class Prepared:
     request: Request
     text: str | None
+    trace: RequestTrace | None = None
 
 
 @dataclass(slots=True)
@@ -126,10 +129,44 @@ class Replica:
             step_errors=stats.step_errors,
             seconds_since_progress=self.clock() - self.engine.last_progress if busy else 0.0,
             healthy=healthy,
+            ready=self.readiness()[0],
             admission_waiting=len(self.admission.waiting),
             admission_waiting_tokens=self.admission.waiting_tokens,
             predicted_wait_s=self.admission.predicted_wait(0),
         )
+
+    def debug_state(self) -> dict[str, Any]:
+        """The replica's live state for ``/debug/state``: engine, KV pool, admission, watchdog."""
+        stats = self.engine.stats
+        healthy, why = self.health()
+        ready, ready_why = self.readiness()
+        return {
+            "role": "replica",
+            "model": self.model_name,
+            "phase": self.phase.value,
+            "health": {"healthy": healthy, "reason": why},
+            "ready": {"ready": ready, "reason": ready_why},
+            "engine": {
+                "running": stats.num_running,
+                "waiting": stats.num_waiting,
+                "preemptions_total": stats.num_preemptions,
+                "step_errors_total": stats.step_errors,
+                "seconds_since_progress": round(self.clock() - self.engine.last_progress, 3),
+                "has_work": self.engine.has_work,
+            },
+            "kv_cache": {
+                "usage": stats.kv_usage,
+                "free_blocks": stats.num_free_blocks,
+                "total_blocks": stats.num_blocks,
+            },
+            "admission": {
+                "waiting_requests": len(self.admission.waiting),
+                "waiting_prompt_tokens": self.admission.waiting_tokens,
+                "predicted_wait_s": self.admission.predicted_wait(0),
+                "saturated": self.admission.saturated,
+            },
+            "inflight_requests": len(self.inflight),
+        }
 
     async def probe(self) -> tuple[bool, str]:
         """A real one-token generation that does not queue behind user work."""
@@ -288,6 +325,15 @@ class Replica:
                         continue
                     reason = out.outputs[0].finish_reason or "error"
                     m.finished(reason, tracked.prompt_tokens)
+                    if prepared.trace is not None:
+                        prepared.trace.engine_done(
+                            out.arrival_time,
+                            out.first_scheduled_time,
+                            out.first_token_time,
+                            out.finished_time,
+                            len(out.outputs[0].token_ids),
+                            reason,
+                        )
                     if reason in ("stop", "length") and tracked.override is None:
                         m.e2e.labels(model).observe(now - tracked.arrival)
                         results.put_nowait((index, out))
