@@ -123,6 +123,11 @@ def main() -> int:
     ap.add_argument("--duration", type=float, default=20.0, help="seconds per path, in all")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--concurrency", type=int, default=32)
+    ap.add_argument(
+        "--log-level",
+        default="warning",
+        help="the gateway's; at info it also writes its JSON line per request (to /dev/null)",
+    )
     args = ap.parse_args()
     up_port, gw_port = free_port(), free_port()
     upstream = subprocess.Popen([sys.executable, "-c", UPSTREAM, str(up_port)])
@@ -131,13 +136,16 @@ def main() -> int:
         yaml.safe_dump(
             {
                 "port": gw_port,
-                "log_level": "warning",
+                "log_level": args.log_level,
                 "models": {"m": {"backends": [{"url": f"http://127.0.0.1:{up_port}"}]}},
                 "health": {"generate_probe": False, "interval_s": 1.0},
             }
         )
     )
-    gateway = subprocess.Popen([sys.executable, "-m", "poise.cli", "gateway", "--config", str(cfg)])
+    gateway = subprocess.Popen(
+        [sys.executable, "-m", "poise.cli", "gateway", "--config", str(cfg)],
+        stderr=subprocess.DEVNULL if args.log_level == "info" else None,
+    )
     rows = []
     try:
         wait_ready(f"http://127.0.0.1:{up_port}/health", upstream, str, "upstream", 60)
@@ -167,7 +175,7 @@ def main() -> int:
         stop_process(upstream, 15)
     print(
         f"\n{args.rate:g} req/s for {args.duration:g}s per path; max rps at concurrency "
-        f"{args.concurrency}"
+        f"{args.concurrency}; gateway log level {args.log_level}"
     )
     print(
         f"{'mode':<11}{'direct p50':>11}{'p99':>8}{'gw p50':>9}{'p99':>8}{'added p50':>11}"

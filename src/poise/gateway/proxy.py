@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import json
 import logging
+import random
 import re
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -39,6 +39,7 @@ log = logging.getLogger("poise.gateway.access")
 
 Proxy = Callable[[Request, str], Awaitable[Response]]
 REQUEST_ID_HEADER = "x-request-id"
+_ids = random.Random()
 # Usage sits at the end of a completion; a search of the tail is cheaper than parsing it all.
 _COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
 _PROMPT_TOKENS = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
@@ -88,7 +89,8 @@ def make_proxy(gw: Gateway) -> Proxy:
     """The handler of the proxied routes, bound to one gateway."""
 
     async def proxy(request: Request, path: str) -> Response:
-        rid = request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
+        # Unique, not secret: random bits, without uuid4's system call per request.
+        rid = request.headers.get(REQUEST_ID_HEADER) or f"{_ids.getrandbits(128):032x}"
         record = RequestRecord(rid, path, time.perf_counter())
         span = None
         if gw.tracing.tracer is not None:
@@ -141,6 +143,8 @@ def _finish(gw: Gateway, record: RequestRecord, span: trace.Span | None) -> None
             span.set_status(trace.StatusCode.ERROR, record.error)
         span.end()
     # One line per request: what an operator greps for. Never the prompt or the answer.
+    if not log.isEnabledFor(logging.INFO):
+        return
     log.info(
         "request",
         extra={
