@@ -26,6 +26,13 @@ from opentelemetry import trace
 from poise.asgi import CancelOnDisconnect, ClientGoneError, EventStreamResponse
 from poise.gateway.forward import Attempt, Upstream
 from poise.gateway.pool import Backend, affinity_key
+from poise.gateway.request_body import (
+    estimate_tokens,
+    max_output_tokens,
+    parse_body,
+    prompt_text,
+    resumable,
+)
 from poise.gateway.response_cache import cache_key
 from poise.gateway.stream import StreamPosition, relay
 from poise.observability import tracing as tr
@@ -180,15 +187,15 @@ async def _handle(
     key = gw.authenticate(request)
     record.key = key.name if key else None
     raw = await request.body()
-    data = _parse(raw)
+    data = parse_body(raw)
     model = record.model = data["model"]
     if model not in gw.pools:
         raise APIError(
             404, f"the model {model!r} does not exist", param="model", code="model_not_found"
         )
     deadline = gw.deadline(request)
-    text = _prompt_text(data)
-    estimate = _estimate_tokens(data, text)
+    text = prompt_text(data)
+    estimate = estimate_tokens(data, text)
     charges = gw.charges(key, model, estimate)
     limit_headers: dict[str, str] = {}
     if charges:
@@ -229,8 +236,8 @@ async def _handle(
                 headers[name] = request.headers[name]
     gate = gw.gates[model]
     stream = record.stream = data.get("stream") is True
-    resumable = stream and _resumable(data)
-    if resumable:
+    can_resume = stream and resumable(data)
+    if can_resume:
         headers[STREAM_TOKENS_HEADER] = "1"
     affinity = affinity_key(text)
     cache = gw.caches.get(model)
@@ -318,7 +325,7 @@ async def _handle(
             async for chunk in relay(
                 upstream,
                 gw.settings.timeouts.stream_idle_s,
-                resume if resumable else None,
+                resume if can_resume else None,
                 on_resume=gw.metrics.stream_resumed,
                 position=position,
             ):
@@ -337,7 +344,7 @@ async def _handle(
             if charges and position.noted:
                 # The notes counted the tokens generated: charge those, not max_tokens.
                 # (The prompt's share stays estimated: a stream does not say it.)
-                used = estimate - _max_output_tokens(data) + len(position.token_ids)
+                used = estimate - max_output_tokens(data) + len(position.token_ids)
                 await _adjust_tokens(gw, charges, used)
 
     response = EventStreamResponse(events())
@@ -411,48 +418,3 @@ async def _adjust_tokens(gw: Gateway, charges: list[Charge], used: float) -> Non
     for c in charges:
         if c.kind == "tokens":
             await gw.limits.adjust(Charge(c.key, c.limit, used - c.cost, c.kind))
-
-
-def _parse(body: bytes) -> dict[str, Any]:
-    try:
-        data = json.loads(body)
-    except ValueError:
-        raise APIError(400, "the body is not valid JSON") from None
-    if not isinstance(data, dict):
-        raise APIError(400, "the body must be a JSON object")
-    if not isinstance(data.get("model"), str):
-        raise APIError(400, "model is required", param="model")
-    return data
-
-
-def _resumable(data: dict[str, Any]) -> bool:
-    """One streamed choice without logprobs: what a poise backend can resume mid-stream."""
-    return (data.get("n") in (None, 1)) and not data.get("logprobs") and not data.get("echo")
-
-
-def _prompt_text(data: dict[str, Any]) -> str:
-    if "messages" in data and isinstance(data["messages"], list):
-        parts = []
-        for m in data["messages"]:
-            content = m.get("content") if isinstance(m, dict) else None
-            if isinstance(content, str):
-                parts.append(content)
-        return "\n".join(parts)
-    prompt = data.get("prompt")
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
-        prompt = prompt[0]
-    return prompt if isinstance(prompt, str) else json.dumps(prompt)[:512]
-
-
-def _max_output_tokens(data: dict[str, Any]) -> float:
-    max_tokens = data.get("max_tokens") or data.get("max_completion_tokens") or 256
-    n = data.get("n") or 1
-    try:
-        return float(max_tokens) * float(n)
-    except (TypeError, ValueError):
-        return 256.0
-
-
-def _estimate_tokens(data: dict[str, Any], text: str) -> float:
-    """Prompt (about four characters a token) plus the most the answer may use."""
-    return len(text) / 4 + _max_output_tokens(data)

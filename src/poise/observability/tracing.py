@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import AsyncIterator, Mapping, MutableMapping
+from collections.abc import Mapping, MutableMapping
 from typing import Any
 
 from opentelemetry import trace
@@ -150,17 +150,6 @@ class RequestTrace:
         if status >= 500:
             self.span.set_status(trace.StatusCode.ERROR, error)
         self.span.end()
-
-    async def wrap(self, events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-        """A stream whose end (however it ends) ends the span."""
-        status = 499
-        try:
-            async for chunk in events:
-                yield chunk
-            status = 200
-        finally:
-            await events.aclose()  # type: ignore[attr-defined]
-            self.end(status)
 
 
 def start_request(

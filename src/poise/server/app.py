@@ -42,6 +42,7 @@ from poise.protocol import (
     ModelCard,
     ModelList,
 )
+from poise.server.access import RequestReport
 from poise.server.openai_api import Planned, create_chat_completion, create_completion
 from poise.server.replica import Phase, Replica
 
@@ -157,6 +158,7 @@ def create_app(
         loading.cancel()
         if state.replica is not None:
             await state.replica.engine.aclose()
+        tracing.shutdown()  # sends the spans still batched
 
     app = FastAPI(title="poise replica", version=__version__, lifespan=lifespan)
     app.state.poise = state
@@ -175,6 +177,13 @@ def create_app(
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        response = _validation_error(exc)
+        # Refused before any route ran: its log line is written here.
+        report = RequestReport(request.headers.get("x-request-id"), request.url.path, None, False)
+        report.end(400, bytes(response.body).decode(errors="replace")[:300])
+        return response
+
+    def _validation_error(exc: RequestValidationError) -> JSONResponse:
         errors = exc.errors()
         first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
         if first.get("type") == "json_invalid":
@@ -199,7 +208,10 @@ def create_app(
         body: CompletionRequest | ChatCompletionRequest,
         plan: Callable[[], Planned],
     ) -> Response:
-        rt = start_request(
+        report = RequestReport(
+            request.headers.get("x-request-id"), request.url.path, body.model, bool(body.stream)
+        )
+        report.trace = start_request(
             tracing,
             request.headers,
             f"replica {request.url.path}",
@@ -215,33 +227,27 @@ def create_app(
         try:
             planned = plan()
         except APIError as exc:
-            if rt is not None:
-                rt.end(exc.status, str(exc))
+            report.end(exc.status, exc.message)
             raise
-        if rt is not None:
-            planned.traced_by(rt)
+        planned.reported_to(report)
         try:
             with CancelOnDisconnect(request.receive):
                 result = await planned.run()
         except ClientGoneError:
-            if rt is not None:
-                rt.end(499)
+            report.end(499)
             return Response(status_code=499)
         except APIError as exc:
-            if rt is not None:
-                rt.end(exc.status, str(exc))
+            report.end(exc.status, exc.message)
             raise
-        except BaseException:
-            if rt is not None:
-                rt.end(500, "internal error")
+        except BaseException as exc:
+            report.end(500, f"internal error: {type(exc).__name__}")
             raise
         finally:
             planned.release_if_unstarted()
         if isinstance(result, dict):
-            if rt is not None:
-                rt.end(200)
+            report.end(200)
             return JSONResponse(result)
-        return EventStreamResponse(result if rt is None else rt.wrap(result))
+        return EventStreamResponse(report.wrap(result))
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:

@@ -17,7 +17,7 @@ from poise.engine.errors import InvalidRequestError
 from poise.engine.intake import Resume
 from poise.engine.outputs import RequestOutput
 from poise.engine.request import SamplingParams
-from poise.observability.tracing import INPUT_TOKENS, RESPONSE_ID, RequestTrace
+from poise.observability.tracing import INPUT_TOKENS, RESPONSE_ID
 from poise.protocol import (
     DEADLINE_HEADER,
     STREAM_TOKENS_HEADER,
@@ -28,6 +28,7 @@ from poise.protocol import (
     now_s,
     token_note,
 )
+from poise.server.access import RequestReport
 from poise.server.replica import Prepared, Replica
 
 DONE = b"data: [DONE]\n\n"
@@ -314,12 +315,15 @@ class Planned:
             return await _stream(self.call, self.top, self.include_usage)
         return await _collect(self.call, self.top, self.echo)
 
-    def traced_by(self, rt: RequestTrace) -> None:
-        """Report the engine's phases of every choice to the request's trace."""
-        rt.span.set_attribute(INPUT_TOKENS, self.call.prompt_tokens)
-        rt.span.set_attribute(RESPONSE_ID, self.call.response_id)
+    def reported_to(self, report: RequestReport) -> None:
+        """Every choice's engine timings go to the request's report (and so to its trace)."""
+        report.prompt_tokens = self.call.prompt_tokens
+        report.request_id = report.request_id or self.call.response_id
+        if report.trace is not None:
+            report.trace.span.set_attribute(INPUT_TOKENS, self.call.prompt_tokens)
+            report.trace.span.set_attribute(RESPONSE_ID, self.call.response_id)
         for p in self.call.group:
-            p.trace = rt
+            p.report = report
 
     def release_if_unstarted(self) -> None:
         if not self.started:

@@ -23,9 +23,9 @@ from poise.engine.errors import EngineDeadError, InvalidRequestError
 from poise.engine.intake import Resume
 from poise.engine.outputs import RequestOutput
 from poise.engine.request import Request, SamplingParams
-from poise.observability.tracing import RequestTrace
 from poise.protocol import APIError, deadline_budget_s
 from poise.resilience.admission import AdmissionConfig, AdmissionController
+from poise.server.access import RequestReport
 from poise.server.metrics import EngineSnapshot, ServerMetrics
 
 log = logging.getLogger("poise.server")
@@ -44,7 +44,7 @@ class Phase(enum.Enum):
 class Prepared:
     request: Request
     text: str | None
-    trace: RequestTrace | None = None
+    report: RequestReport | None = None  # told the engine's timings when it finishes
 
 
 @dataclass(slots=True)
@@ -325,8 +325,8 @@ class Replica:
                         continue
                     reason = out.outputs[0].finish_reason or "error"
                     m.finished(reason, tracked.prompt_tokens)
-                    if prepared.trace is not None:
-                        prepared.trace.engine_done(
+                    if prepared.report is not None:
+                        prepared.report.engine_done(
                             out.arrival_time,
                             out.first_scheduled_time,
                             out.first_token_time,

@@ -10,11 +10,13 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import httpx
 import pytest
 import uvicorn
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -22,12 +24,14 @@ from starlette.applications import Starlette
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from gatewayproc import GatewayProcess
 from poise.asgi import uvicorn_config
 from poise.config import ServerSettings
 from poise.gateway.app import create_gateway_app
 from poise.gateway.config import GatewaySettings
 from poise.launcher import answers_ok, free_port
 from poise.server.app import create_app
+from serverproc import ServerProcess
 
 TRACEPARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 CLIENT_TRACE = int("0af7651916cd43dd8448eb211c80319c", 16)
@@ -187,3 +191,68 @@ def test_a_failed_attempt_and_its_retry_are_spans_of_the_same_trace(traced):
         assert all(a.parent.span_id == root.context.span_id for a in attempts)
         return
     pytest.fail("no request's first attempt went to the broken backend in 8 tries")
+
+
+class Collector(ThreadingHTTPServer):
+    """A minimal OTLP/HTTP trace receiver: keeps every exported span."""
+
+    def __init__(self) -> None:
+        self.spans: list[tuple[str, str, bytes]] = []  # (service, span name, trace id)
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers["content-length"]))
+                req = ExportTraceServiceRequest()
+                req.ParseFromString(body)
+                for rs in req.resource_spans:
+                    service = next(
+                        a.value.string_value
+                        for a in rs.resource.attributes
+                        if a.key == "service.name"
+                    )
+                    for ss in rs.scope_spans:
+                        outer.spans += [(service, s.name, s.trace_id) for s in ss.spans]
+                self.send_response(200)
+                self.send_header("content-type", "application/x-protobuf")
+                self.end_headers()
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        super().__init__(("127.0.0.1", free_port()), Handler)
+
+
+def test_spans_reach_an_otlp_collector_from_real_processes(llama_dir, tmp_path):
+    collector = Collector()
+    thread = threading.Thread(target=collector.serve_forever, daemon=True)
+    thread.start()
+    endpoint = f"http://127.0.0.1:{collector.server_address[1]}"
+    replica = ServerProcess(llama_dir, tmp_path, "--otlp-endpoint", endpoint)
+    gateway = None
+    try:
+        gateway = GatewayProcess(
+            {
+                "models": {"m": {"backends": [{"url": replica.url}]}},
+                "otlp_endpoint": endpoint,
+                "health": {"generate_probe": False},
+            },
+            tmp_path,
+        )
+        r = httpx.post(
+            gateway.url + "/v1/completions",
+            json={"model": "m", "prompt": "to the collector", "max_tokens": 2},
+            timeout=60,
+        )
+        assert r.status_code == 200
+    finally:
+        if gateway is not None:
+            gateway.stop()  # a clean stop flushes the batched spans
+        replica.stop()
+        collector.shutdown()
+        collector.server_close()
+    roots = [s for s in collector.spans if s[1] == "gateway /v1/completions"]
+    assert len(roots) == 1 and roots[0][0] == "poise-gateway"
+    same_trace = {(svc, name) for svc, name, tid in collector.spans if tid == roots[0][2]}
+    assert ("poise-replica", "replica /v1/completions") in same_trace
+    assert ("poise-replica", "replica decode") in same_trace

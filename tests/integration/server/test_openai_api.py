@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import openai
 import pytest
@@ -217,3 +219,37 @@ def test_bad_input_changes_nothing(server, client):
     assert server.metric("vllm:prefix_cache_queries_total") == queries  # never reached the engine
     assert server.metric("vllm:num_requests_waiting") == 0
     assert server.metric("vllm:kv_cache_usage_perc") == 0
+
+
+def test_one_json_log_line_per_request_with_timings_and_no_text(server):
+    body = {"prompt": "a private prompt", "max_tokens": 3, "temperature": 0}
+    r = httpx.post(
+        server.url + "/v1/completions", json=body, headers={"x-request-id": "rid-42"}, timeout=60
+    )
+    assert r.status_code == 200
+    streamed = {**body, "stream": True}
+    with httpx.stream(
+        "POST", server.url + "/v1/completions", json=streamed, headers={"x-request-id": "rid-43"}
+    ) as s:
+        s.read()
+    bad = httpx.post(server.url + "/v1/completions", json={**body, "max_tokens": -1})
+    assert bad.status_code == 400
+
+    def lines() -> list[dict]:
+        text = server.log_path.read_text(errors="replace")
+        out = []
+        for line in text.splitlines():
+            if line.startswith("{"):
+                record = json.loads(line)
+                if record.get("event") == "request":
+                    out.append(record)
+        return out
+
+    got = {x["request_id"]: x for x in lines()}
+    plain, stream = got["rid-42"], got["rid-43"]
+    assert plain["status"] == 200 and plain["output_tokens"] == 3 and not plain["stream"]
+    assert plain["finish_reasons"] == ["length"] and plain["prompt_tokens"] > 0
+    assert plain["ttft_ms"] >= 0 and plain["duration_ms"] >= plain["ttft_ms"]
+    assert stream["stream"] and stream["status"] == 200 and stream["output_tokens"] == 3
+    assert any(x["status"] == 400 for x in got.values())
+    assert "a private prompt" not in server.log_path.read_text(errors="replace")
