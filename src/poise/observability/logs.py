@@ -21,6 +21,19 @@ LogFormat = Literal["auto", "json", "console"]
 QUIET_LIBRARIES = ("httpx", "httpcore", "aiohttp.access", "uvicorn.access")
 
 
+def _drop_color_message(
+    logger: object, method: str, event: structlog.types.EventDict
+) -> structlog.types.EventDict:
+    event.pop("color_message", None)  # uvicorn's copy of the message with terminal colours
+    return event
+
+
+def _drop_empty(
+    logger: object, method: str, event: structlog.types.EventDict
+) -> structlog.types.EventDict:
+    return {k: v for k, v in event.items() if v is not None}
+
+
 def configure_logging(
     level: str = "info",
     levels: Mapping[str, str] | None = None,
@@ -37,12 +50,14 @@ def configure_logging(
         structlog.stdlib.ExtraAdder(),
         structlog.processors.TimeStamper(fmt="iso", utc=True),
     ]
+    shared.append(_drop_color_message)
     renderer: structlog.types.Processor
     if fmt == "json":
         renderer = structlog.processors.JSONRenderer()
         shared.append(structlog.processors.dict_tracebacks)
     else:
         renderer = structlog.dev.ConsoleRenderer(colors=False)
+        shared.append(_drop_empty)  # a person reads this: only the fields that say something
     formatter = structlog.stdlib.ProcessorFormatter(
         foreign_pre_chain=shared,
         processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, renderer],

@@ -53,3 +53,13 @@ def test_auto_is_json_when_not_a_terminal():
     configure_logging("info", stream=out)
     logging.getLogger("poise").info("hello")
     assert json.loads(out.getvalue())["event"] == "hello"
+
+
+def test_console_lines_leave_out_empty_fields_and_uvicorns_colours():
+    out = io.StringIO()
+    configure_logging("info", fmt="console", stream=out)
+    logging.getLogger("uvicorn.error").info(
+        "started", extra={"color_message": "\x1b[36mstarted\x1b[0m", "trace_id": None}
+    )
+    text = out.getvalue()
+    assert "started" in text and "color_message" not in text and "trace_id" not in text
