@@ -200,6 +200,10 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--served-model-name", default="demo")
     u.add_argument("--serve-flags", default="", help="extra flags for each `poise serve`")
     u.set_defaults(func=_up)
+
+    from poise.bench.command import add_parser as add_bench  # light: no engine, no torch
+
+    add_bench(sub)
     return parser
 
 

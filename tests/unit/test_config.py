@@ -38,3 +38,14 @@ def test_mistakes_are_named(tmp_path, flags, text, needle):
 def test_missing_file_is_a_clear_error(tmp_path):
     with pytest.raises(ConfigError, match="cannot read"):
         load_settings({"model": "/m"}, tmp_path / "nope.yaml", {})
+
+
+def test_poise_up_shares_the_cores_among_its_replicas(monkeypatch):
+    from poise.launcher import replica_env
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr("os.cpu_count", lambda: 8)
+    assert replica_env(2)["OMP_NUM_THREADS"] == "4"
+    assert replica_env(16)["OMP_NUM_THREADS"] == "1"
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")  # the user's choice stands
+    assert replica_env(2)["OMP_NUM_THREADS"] == "3"

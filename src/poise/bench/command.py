@@ -1,0 +1,113 @@
+"""``poise bench``: drive any OpenAI-compatible endpoint and report its SLOs and goodput."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import random
+from pathlib import Path
+
+from poise.bench.report import SLO, Stats, Summary, summarize
+from poise.bench.runner import Target, run, write_results
+from poise.bench.workload import Lengths, arrival_times, from_dataset, synthetic
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("bench", help="measure TTFT, TPOT, SLO attainment and goodput")
+    p.add_argument("--url", required=True, help="the server's base URL (without /v1)")
+    p.add_argument("--model", required=True)
+    p.add_argument("--api-key")
+    p.add_argument("--chat", action="store_true", help="/v1/chat/completions, not completions")
+    p.add_argument("--ignore-eos", action="store_true", help="ask for exactly max_tokens")
+    load = p.add_mutually_exclusive_group(required=True)
+    load.add_argument(
+        "--rate",
+        help="requests per second; a comma list is a ramp of steps of --step-s each",
+    )
+    load.add_argument("--concurrency", type=int, help="a closed loop of this many at a time")
+    p.add_argument("--step-s", type=float, default=30.0, help="length of each ramp step")
+    p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1 is Poisson")
+    p.add_argument("--num-requests", type=int, help="how many to send")
+    p.add_argument("--duration", type=float, help="or: send at --rate for this many seconds")
+    p.add_argument("--prompt-len", default="256", help="words per prompt: N or LOW:HIGH")
+    p.add_argument("--output-len", default="128", help="max_tokens: N or LOW:HIGH")
+    p.add_argument("--dataset", type=Path, help="prompts from JSONL or ShareGPT JSON")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--slo", help="e.g. ttft=1,tpot=0.1,e2e=30 (seconds, or 100ms)")
+    p.add_argument("--results", type=Path, help="write per-request records and the summary")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    rng = random.Random(args.seed)
+    rates = [float(r) for r in args.rate.split(",")] if args.rate else None
+    n = args.num_requests
+    if n is None:
+        if rates is None or args.duration is None:
+            raise SystemExit("error: give --num-requests, or --rate with --duration")
+        n = max(1, math.ceil(_expected_sent(rates, args.step_s, args.duration)))
+    output = Lengths.parse(args.output_len)
+    items = (
+        from_dataset(args.dataset, n, output, rng)
+        if args.dataset
+        else synthetic(n, Lengths.parse(args.prompt_len), output, rng)
+    )
+    arrivals = arrival_times(n, rates, args.step_s, args.burstiness, rng) if rates else None
+    slo = SLO.parse(args.slo) if args.slo else None
+    target = Target(args.url, args.model, args.api_key, args.chat, args.ignore_eos)
+    records, duration = asyncio.run(
+        run(target, items, arrivals, args.concurrency, progress=not args.no_progress)
+    )
+    summary = summarize(records, duration, slo)
+    print(format_summary(summary, slo))
+    if args.results:
+        settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+        settings.pop("func", None)
+        write_results(args.results, records, summary, settings)
+        print(f"results: {args.results}")
+    return 0
+
+
+def _expected_sent(rates: list[float], step_s: float, duration: float) -> float:
+    total, t = 0.0, 0.0
+    for i, r in enumerate(rates):
+        end = duration if i == len(rates) - 1 else min(duration, t + step_s)
+        total += r * max(0.0, end - t)
+        t = end
+    return total
+
+
+def format_summary(s: Summary, slo: SLO | None) -> str:
+    def ms(stats: Stats | None) -> str:
+        if stats is None:
+            return "-"
+        return "  ".join(
+            f"{name} {1000 * v:.1f}"
+            for name, v in (("mean", stats.mean), ("p50", stats.p50), ("p90", stats.p90),
+                            ("p99", stats.p99))
+        )  # fmt: skip
+
+    lines = [
+        f"{'duration':<22}{s.duration_s:.2f} s",
+        f"{'sent':<22}{s.sent}",
+        f"{'completed':<22}{s.completed}",
+        f"{'rejected (429/503)':<22}{s.rejected} ({_share(s.rejected, s.sent)})",
+        f"{'failed':<22}{s.failed} ({_share(s.failed, s.sent)})",
+        f"{'throughput':<22}{s.request_throughput:.2f} req/s, "
+        f"{s.output_token_throughput:.1f} output tokens/s",
+        f"{'TTFT ms':<22}{ms(s.ttft)}",
+        f"{'TPOT ms':<22}{ms(s.tpot)}",
+        f"{'ITL ms':<22}{ms(s.itl)}",
+        f"{'E2E ms':<22}{ms(s.e2e)}",
+    ]
+    if slo is not None and s.goodput is not None:
+        attained = "-" if s.slo_attainment is None else f"{100 * s.slo_attainment:.1f} %"
+        lines.append(f"{'SLO attainment':<22}{attained} of completed")
+        lines.append(f"{'goodput':<22}{s.goodput:.2f} req/s")
+    return "\n".join(lines)
+
+
+def _share(k: int, n: int) -> str:
+    return f"{100 * k / n:.1f} %" if n else "-"

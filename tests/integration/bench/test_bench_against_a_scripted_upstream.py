@@ -1,0 +1,128 @@
+"""``poise bench`` against a scripted upstream whose timings are known: first text after
+200 ms, then four more events 50 ms apart, usage 5 tokens. So TTFT is 0.2 s, TPOT 0.05 s and
+E2E 0.4 s (plus loopback), and the goodput under an SLO is known exactly."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import threading
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from poise.asgi import uvicorn_config
+from poise.bench.report import SLO, summarize
+from poise.bench.runner import Target, run
+from poise.bench.workload import Item
+from poise.launcher import answers_ok, free_port
+
+TTFT, GAP, TOKENS = 0.2, 0.05, 5
+
+
+def event(obj: object) -> bytes:
+    return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+
+async def completions(request: Request) -> Response:
+    body = await request.json()
+    prompt = body.get("prompt") or body["messages"][0]["content"]
+    if prompt.startswith("reject"):
+        return JSONResponse({"error": {"message": "overloaded"}}, status_code=429)
+
+    async def stream() -> AsyncIterator[bytes]:
+        await asyncio.sleep(TTFT)
+        for i in range(TOKENS):
+            if i:
+                await asyncio.sleep(GAP)
+            if body.get("messages"):
+                choice = {"index": 0, "delta": {"content": f"t{i}"}}
+            else:
+                choice = {"index": 0, "text": f"t{i}"}
+            yield event({"id": "x", "choices": [choice]})
+            if prompt.startswith("cut") and i == 2:
+                return  # no [DONE]: a broken stream
+        if prompt.startswith("error"):
+            yield event({"error": {"message": "the engine failed", "code": 500}})
+        usage = {"prompt_tokens": 3, "completion_tokens": TOKENS, "total_tokens": 3 + TOKENS}
+        yield event({"id": "x", "choices": [], "usage": usage})
+        yield b"data: [DONE]\n\n"
+
+    return StreamingResponse(stream(), media_type="text/event-stream")
+
+
+async def health(request: Request) -> Response:
+    return Response("ok")
+
+
+@pytest.fixture(scope="module")
+def upstream() -> Iterator[str]:
+    app = Starlette(
+        routes=[
+            Route("/v1/completions", completions, methods=["POST"]),
+            Route("/v1/chat/completions", completions, methods=["POST"]),
+            Route("/health", health),
+        ]
+    )
+    port = free_port()
+    server = uvicorn.Server(uvicorn_config(app, "127.0.0.1", port, "warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(100):
+        if answers_ok(url + "/health", 1.0):
+            break
+    yield url
+    server.should_exit = True
+    thread.join(10)
+
+
+def test_ttft_tpot_e2e_and_goodput_match_the_script(upstream):
+    items = [Item(p, 16) for p in ["a", "b", "reject", "cut", "error", "c", "d", "e"]]
+    records, duration = asyncio.run(
+        run(Target(upstream, "m"), items, arrivals=[0.05 * i for i in range(len(items))])
+    )
+    by_prompt = dict(zip([i.prompt for i in items], records, strict=True))
+    for name in "abcde":
+        r = by_prompt[name]
+        assert r.completed and r.output_tokens == TOKENS and len(r.itl_s) == TOKENS - 1
+        assert TTFT <= r.ttft_s < TTFT + 0.05
+        assert r.tpot_s == pytest.approx(GAP, abs=0.012)
+        assert all(g == pytest.approx(GAP, abs=0.03) for g in r.itl_s)
+    assert by_prompt["reject"].rejected and by_prompt["reject"].status == 429
+    assert by_prompt["cut"].error == "the stream ended without [DONE]"
+    assert by_prompt["error"].error == "the engine failed"
+    s = summarize(records, duration, SLO(ttft_s=0.5, tpot_s=0.1))
+    assert (s.completed, s.rejected, s.failed) == (5, 1, 2)
+    assert s.slo_attainment == 1.0 and s.goodput == pytest.approx(5 / duration)
+    # An SLO the script cannot meet: nothing is good, whatever the throughput.
+    strict = summarize(records, duration, SLO(ttft_s=0.1))
+    assert strict.goodput == 0 and strict.request_throughput == pytest.approx(5 / duration)
+
+
+def test_the_command_prints_the_table_and_writes_the_records(upstream, tmp_path):
+    results = tmp_path / "bench.json"
+    out = subprocess.run(
+        [
+            sys.executable, "-m", "poise.cli", "bench", "--url", upstream, "--model", "m",
+            "--chat", "--concurrency", "3", "--num-requests", "9", "--prompt-len", "4",
+            "--output-len", "8", "--slo", "ttft=500ms,tpot=0.1", "--results", str(results),
+            "--no-progress",
+        ],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert "goodput" in out.stdout and "SLO attainment        100.0 % of completed" in out.stdout
+    data = json.loads(results.read_text())
+    assert data["summary"]["completed"] == 9 and len(data["requests"]) == 9
+    assert data["settings"]["concurrency"] == 3
+    # A closed loop of 3: about three waves of 0.4 s each.
+    assert 1.0 < data["summary"]["duration_s"] < 2.5
+    assert all(r["output_tokens"] == TOKENS for r in data["requests"])
