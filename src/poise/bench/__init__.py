@@ -1,0 +1,1 @@
+"""poise bench: load and measurement for any OpenAI-compatible endpoint."""
