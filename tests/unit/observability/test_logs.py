@@ -58,7 +58,8 @@ def test_auto_is_json_when_not_a_terminal():
 def test_console_lines_leave_out_empty_fields_and_uvicorns_colours():
     out = io.StringIO()
     configure_logging("info", fmt="console", stream=out)
-    logging.getLogger("uvicorn.error").info(
+    # warning: an earlier test's uvicorn may have set this logger's level to warning
+    logging.getLogger("uvicorn.error").warning(
         "started", extra={"color_message": "\x1b[36mstarted\x1b[0m", "trace_id": None}
     )
     text = out.getvalue()
