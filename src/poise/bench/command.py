@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import math
 import random
 from pathlib import Path
@@ -26,6 +27,11 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="requests per second; a comma list is a ramp of steps of --step-s each",
     )
     load.add_argument("--concurrency", type=int, help="a closed loop of this many at a time")
+    load.add_argument(
+        "--sweep",
+        help="rates to run in turn (comma list), --duration each: goodput per rate and the "
+        "highest rate whose attainment stays >= 90 %% (needs --slo)",
+    )
     p.add_argument("--step-s", type=float, default=30.0, help="length of each ramp step")
     p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1 is Poisson")
     p.add_argument("--num-requests", type=int, help="how many to send")
@@ -41,6 +47,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.sweep:
+        return sweep(args)
     rng = random.Random(args.seed)
     rates = [float(r) for r in args.rate.split(",")] if args.rate else None
     n = args.num_requests
@@ -68,6 +76,56 @@ def main(args: argparse.Namespace) -> int:
         write_results(args.results, records, summary, settings)
         print(f"results: {args.results}")
     return 0
+
+
+def sweep(args: argparse.Namespace) -> int:
+    if not args.slo or not args.duration:
+        raise SystemExit("error: --sweep needs --slo and --duration (seconds per rate)")
+    slo = SLO.parse(args.slo)
+    target = Target(args.url, args.model, args.api_key, args.chat, args.ignore_eos)
+    output = Lengths.parse(args.output_len)
+    rows: list[tuple[float, Summary]] = []
+    for rate in (float(r) for r in args.sweep.split(",")):
+        rng = random.Random(args.seed)
+        n = max(1, math.ceil(rate * args.duration))
+        items = (
+            from_dataset(args.dataset, n, output, rng)
+            if args.dataset
+            else synthetic(n, Lengths.parse(args.prompt_len), output, rng)
+        )
+        arrivals = arrival_times(n, [rate], 0.0, args.burstiness, rng)
+        records, duration = asyncio.run(run(target, items, arrivals, progress=not args.no_progress))
+        rows.append((rate, summarize(records, duration, slo)))
+    print(format_sweep(rows))
+    if args.results:
+        args.results.write_text(
+            json.dumps([{"rate": rate, **s.as_dict()} for rate, s in rows], indent=1)
+        )
+        print(f"results: {args.results}")
+    return 0
+
+
+def sustained(s: Summary) -> float:
+    """The share of all requests sent that met the SLO: shed ones count as missed."""
+    return 0.0 if not s.sent or s.goodput is None else s.goodput * s.duration_s / s.sent
+
+
+def format_sweep(rows: list[tuple[float, Summary]]) -> str:
+    lines = [
+        f"{'rate/s':>8}{'goodput/s':>11}{'met/sent':>10}{'rejected':>10}{'failed':>8}"
+        f"{'TTFT p99':>10}{'TPOT p99':>10}"
+    ]
+    for rate, s in rows:
+        ttft = f"{1000 * s.ttft.p99:.0f}ms" if s.ttft else "-"
+        tpot = f"{1000 * s.tpot.p99:.0f}ms" if s.tpot else "-"
+        lines.append(
+            f"{rate:>8g}{s.goodput or 0:>11.2f}{100 * sustained(s):>9.1f}%"
+            f"{s.rejected:>10}{s.failed:>8}{ttft:>10}{tpot:>10}"
+        )
+    ok = [rate for rate, s in rows if sustained(s) >= 0.9]
+    best = f"{max(ok):g} req/s" if ok else "none of the rates"
+    lines.append(f"highest rate with >= 90 % of requests meeting the SLO: {best}")
+    return "\n".join(lines)
 
 
 def _expected_sent(rates: list[float], step_s: float, duration: float) -> float:

@@ -126,3 +126,20 @@ def test_the_command_prints_the_table_and_writes_the_records(upstream, tmp_path)
     # A closed loop of 3: about three waves of 0.4 s each.
     assert 1.0 < data["summary"]["duration_s"] < 2.5
     assert all(r["output_tokens"] == TOKENS for r in data["requests"])
+
+
+def test_a_sweep_reports_goodput_per_rate_and_the_highest_sustained_rate(upstream, tmp_path):
+    results = tmp_path / "sweep.json"
+    out = subprocess.run(
+        [
+            sys.executable, "-m", "poise.cli", "bench", "--url", upstream, "--model", "m",
+            "--sweep", "5,10", "--duration", "1", "--slo", "ttft=0.5",
+            "--results", str(results), "--no-progress",
+        ],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    rows = json.loads(results.read_text())
+    assert [r["rate"] for r in rows] == [5.0, 10.0]
+    assert [r["sent"] for r in rows] == [5, 10] and all(r["completed"] == r["sent"] for r in rows)
+    assert "highest rate with >= 90 % of requests meeting the SLO: 10 req/s" in out.stdout

@@ -83,3 +83,17 @@ def test_arrivals_keep_the_rate_and_repeat_with_the_seed():
 def _cv(xs: list[float]) -> float:
     mean = sum(xs) / len(xs)
     return (sum((x - mean) ** 2 for x in xs) / len(xs)) ** 0.5 / mean
+
+
+def test_a_rate_that_sheds_does_not_count_as_sustained():
+    from poise.bench.command import format_sweep, sustained
+
+    calm = summarize([ok(0.1, 0.5, 5) for _ in range(10)], 1.0, SLO(ttft_s=1.0))
+    shedding = summarize(
+        [ok(0.1, 0.5, 5) for _ in range(10)] + [Record(0.0, 429) for _ in range(10)],
+        1.0,
+        SLO(ttft_s=1.0),
+    )
+    assert sustained(calm) == 1.0 and shedding.slo_attainment == 1.0
+    assert sustained(shedding) == 0.5  # perfect among the served, half of all sent
+    assert format_sweep([(10, calm), (20, shedding)]).endswith(": 10 req/s")
