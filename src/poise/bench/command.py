@@ -42,6 +42,11 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--slo", help="e.g. ttft=1,tpot=0.1,e2e=30 (seconds, or 100ms)")
     p.add_argument("--results", type=Path, help="write per-request records and the summary")
+    p.add_argument(
+        "--plot",
+        type=Path,
+        help="write PNG figures with this path prefix (e.g. out/run: out/run-cdf.png, ...)",
+    )
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=main)
 
@@ -70,6 +75,11 @@ def main(args: argparse.Namespace) -> int:
     )
     summary = summarize(records, duration, slo)
     print(format_summary(summary, slo))
+    if args.plot:
+        from poise.bench.plots import plot_run
+
+        for path in plot_run(records, slo, args.plot):
+            print(f"figure: {path}")
     if args.results:
         settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
         settings.pop("func", None)
@@ -97,6 +107,10 @@ def sweep(args: argparse.Namespace) -> int:
         records, duration = asyncio.run(run(target, items, arrivals, progress=not args.no_progress))
         rows.append((rate, summarize(records, duration, slo)))
     print(format_sweep(rows))
+    if args.plot:
+        from poise.bench.plots import plot_sweep
+
+        print(f"figure: {plot_sweep(rows, args.plot)}")
     if args.results:
         args.results.write_text(
             json.dumps([{"rate": rate, **s.as_dict()} for rate, s in rows], indent=1)

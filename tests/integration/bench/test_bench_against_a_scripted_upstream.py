@@ -143,3 +143,19 @@ def test_a_sweep_reports_goodput_per_rate_and_the_highest_sustained_rate(upstrea
     assert [r["rate"] for r in rows] == [5.0, 10.0]
     assert [r["sent"] for r in rows] == [5, 10] and all(r["completed"] == r["sent"] for r in rows)
     assert "highest rate with >= 90 % of requests meeting the SLO: 10 req/s" in out.stdout
+
+
+def test_plot_writes_the_figures(upstream, tmp_path):
+    prefix = tmp_path / "run"
+    out = subprocess.run(
+        [
+            sys.executable, "-m", "poise.cli", "bench", "--url", upstream, "--model", "m",
+            "--concurrency", "2", "--num-requests", "6", "--slo", "ttft=0.5,tpot=0.1",
+            "--plot", str(prefix), "--no-progress",
+        ],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    for name in ("run-cdf.png", "run-timeline.png"):
+        data = (tmp_path / name).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000, name
