@@ -114,7 +114,8 @@ PROTECTED_PREFIXES = ("/v1/", "/debug/")  # what an API key guards when keys are
 
 
 class GuardMiddleware:
-    """Refuses bodies over the limit with 413 and, when keys are set, /v1 calls without one."""
+    """Refuses bodies over the limit with 413 and, when keys are set, calls to the API
+    (``/v1/``) or to the live state (``/debug/``) without one."""
 
     def __init__(self, app: ASGIApp, max_body_bytes: int, api_keys: Sequence[str]) -> None:
         self.app = app

@@ -31,7 +31,6 @@ QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
 
 class GatewayMetrics:
     def __init__(self, gateway: Gateway, registry: CollectorRegistry | None = None) -> None:
-        self.gateway = gateway
         r = self.registry = registry if registry is not None else CollectorRegistry()
         self.requests = Counter(
             "poise_gateway_requests",

@@ -36,6 +36,7 @@ from poise.gateway.request_body import (
 from poise.gateway.response_cache import cache_key
 from poise.gateway.stream import StreamPosition, relay
 from poise.observability import tracing as tr
+from poise.observability.logs import ms
 from poise.protocol import STREAM_TOKENS_HEADER, APIError
 from poise.resilience.ratelimit import Charge
 
@@ -167,18 +168,14 @@ def _finish(gw: Gateway, record: RequestRecord, span: trace.Span | None) -> None
             "backend": record.backend,
             "fallback": record.fallback,
             "retries": record.retries,
-            "queue_ms": _ms(record.queue_s),
-            "ttft_ms": _ms(record.ttft_s),
-            "duration_ms": _ms(time.perf_counter() - record.arrived),
+            "queue_ms": ms(record.queue_s),
+            "ttft_ms": ms(record.ttft_s),
+            "duration_ms": ms(time.perf_counter() - record.arrived),
             "input_tokens": record.input_tokens,
             "output_tokens": record.output_tokens,
             "error": record.error,
         },
     )
-
-
-def _ms(seconds: float | None) -> float | None:
-    return None if seconds is None else round(1000 * seconds, 2)
 
 
 async def _handle(

@@ -34,6 +34,11 @@ def _drop_empty(
     return {k: v for k, v in event.items() if v is not None}
 
 
+def ms(seconds: float | None) -> float | None:
+    """A duration as a log line shows it: milliseconds, two decimals (None stays None)."""
+    return None if seconds is None else round(1000 * seconds, 2)
+
+
 def configure_logging(
     level: str = "info",
     levels: Mapping[str, str] | None = None,

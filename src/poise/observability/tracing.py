@@ -104,24 +104,20 @@ class RequestTrace:
 
     The engine runs in another process and reports when a request arrived, was first
     scheduled, produced its first token and finished; those times become the ``queue``,
-    ``prefill`` and ``decode`` spans after the fact, at no cost to the step loop.
+    ``prefill`` and ``decode`` spans after the fact, at no cost to the step loop. The request's
+    totals are kept by its ``server.access.RequestReport``, which hands them to ``end`` once.
     """
 
     def __init__(self, tracer: trace.Tracer, span: trace.Span) -> None:
         self.tracer = tracer
         self.span = span
-        self.output_tokens = 0
-        self.finish_reasons: list[str] = []
-        self._ended = False
 
-    def engine_done(
+    def add_phases(
         self,
         arrival: float,
         scheduled: float | None,
         first_token: float | None,
         finished: float | None,
-        output_tokens: int,
-        finish_reason: str,
     ) -> None:
         parent = trace.set_span_in_context(self.span)
         for name, start, end in (
@@ -132,19 +128,20 @@ class RequestTrace:
             if start is not None and end is not None:
                 phase = self.tracer.start_span(name, context=parent, start_time=_epoch_ns(start))
                 phase.end(end_time=_epoch_ns(max(start, end)))
-        self.output_tokens += output_tokens
-        self.finish_reasons.append(finish_reason)
 
-    def end(self, status: int, error: str | None = None) -> None:
-        if self._ended:
-            return
-        self._ended = True
+    def end(
+        self,
+        status: int,
+        error: str | None,
+        output_tokens: int | None,
+        finish_reasons: list[str],
+    ) -> None:
         set_attributes(
             self.span,
             {
                 "http.response.status_code": status,
-                OUTPUT_TOKENS: self.output_tokens if self.finish_reasons else None,
-                FINISH_REASONS: tuple(self.finish_reasons) or None,
+                OUTPUT_TOKENS: output_tokens,
+                FINISH_REASONS: tuple(finish_reasons) or None,
             },
         )
         if status >= 500:

@@ -13,6 +13,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from poise.observability.logs import ms
 from poise.observability.tracing import RequestTrace, trace_id
 
 log = logging.getLogger("poise.server.access")
@@ -43,9 +44,7 @@ class RequestReport:
         finish_reason: str,
     ) -> None:
         if self.trace is not None:
-            self.trace.engine_done(
-                arrival, scheduled, first_token, finished, output_tokens, finish_reason
-            )
+            self.trace.add_phases(arrival, scheduled, first_token, finished)
         self.output_tokens += output_tokens
         self.finish_reasons.append(finish_reason)
         if scheduled is not None and self.queue_s is None:
@@ -57,8 +56,9 @@ class RequestReport:
         if self.ended:
             return
         self.ended = True
+        output_tokens = self.output_tokens if self.finish_reasons else None
         if self.trace is not None:
-            self.trace.end(status, error)
+            self.trace.end(status, error, output_tokens, self.finish_reasons)
         if not log.isEnabledFor(logging.INFO):
             return
         log.info(
@@ -71,11 +71,11 @@ class RequestReport:
                 "stream": self.stream,
                 "status": status,
                 "prompt_tokens": self.prompt_tokens,
-                "output_tokens": self.output_tokens if self.finish_reasons else None,
+                "output_tokens": output_tokens,
                 "finish_reasons": self.finish_reasons or None,
-                "queue_ms": _ms(self.queue_s),
-                "ttft_ms": _ms(self.ttft_s),
-                "duration_ms": _ms(time.perf_counter() - self.started),
+                "queue_ms": ms(self.queue_s),
+                "ttft_ms": ms(self.ttft_s),
+                "duration_ms": ms(time.perf_counter() - self.started),
                 "error": error,
             },
         )
@@ -90,7 +90,3 @@ class RequestReport:
         finally:
             await events.aclose()  # type: ignore[attr-defined]
             self.end(status)
-
-
-def _ms(seconds: float | None) -> float | None:
-    return None if seconds is None else round(1000 * seconds, 2)
