@@ -204,6 +204,9 @@ def build_parser() -> argparse.ArgumentParser:
     from poise.bench.command import add_parser as add_bench  # light: no engine, no torch
 
     add_bench(sub)
+    from poise.chaos.command import add_parser as add_chaos  # light: no engine, no torch
+
+    add_chaos(sub)
     return parser
 
 

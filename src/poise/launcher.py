@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 import httpx
 import yaml
@@ -61,9 +62,16 @@ class Child:
     next_start: float = 0.0
     backoff_s: float = RESTART_BASE_S
     env: dict[str, str] | None = None  # None: this process's environment
+    log_path: Path | None = None  # None: output to this process's
 
     def start(self) -> None:
-        self.proc = subprocess.Popen(self.argv, env=self.env)
+        if self.log_path is None:
+            self.proc = subprocess.Popen(self.argv, env=self.env)
+        else:
+            with self.log_path.open("ab") as log:
+                self.proc = subprocess.Popen(
+                    self.argv, env=self.env, stdout=log, stderr=subprocess.STDOUT
+                )
         self.started_at = time.monotonic()
 
     def stop(self, timeout_s: float) -> None:
@@ -122,6 +130,98 @@ def replica_env(replicas: int) -> dict[str, str]:
     return env
 
 
+@dataclass
+class LocalDeployment:
+    """Replicas and a gateway on loopback, as child processes, kept up by ``supervise``.
+
+    ``poise up`` runs one in the foreground; ``poise chaos`` runs one and hurts it.
+    """
+
+    replicas: list[Child]
+    replica_ports: list[int]
+    gateway: Child
+    url: str
+    config_path: Path
+
+    @classmethod
+    def create(
+        cls,
+        model: str,
+        replicas: int,
+        host: str,
+        port: int,
+        serve_flags: list[str],
+        model_name: str = "demo",
+        gateway_settings: dict[str, Any] | None = None,
+        log_dir: Path | None = None,
+    ) -> LocalDeployment:
+        """``gateway_settings``: more of the gateway's YAML (timeouts, keys, ...), merged in."""
+        ports = [free_port() for _ in range(replicas)]
+        env = replica_env(replicas)
+        children = [
+            Child(
+                f"replica-{i}",
+                serve_argv(model, p, "--served-model-name", model_name, *serve_flags),
+                env=env,
+                log_path=None if log_dir is None else log_dir / f"replica-{i}.log",
+            )
+            for i, p in enumerate(ports)
+        ]
+        config: dict[str, Any] = {
+            "host": host,
+            "port": port,
+            "models": {model_name: {"backends": [{"url": f"http://127.0.0.1:{p}"} for p in ports]}},
+            "health": {"interval_s": 1.0, "timeout_s": 2.0},
+            **(gateway_settings or {}),
+        }
+        cfg_path = Path(tempfile.mkdtemp(prefix="poise-up-")) / "gateway.yaml"
+        cfg_path.write_text(yaml.safe_dump(config))
+        gateway = Child(
+            "gateway",
+            [sys.executable, "-m", "poise.cli", "gateway", "--config", str(cfg_path)],
+            log_path=None if log_dir is None else log_dir / "gateway.log",
+        )
+        return cls(children, ports, gateway, http_url(host, port), cfg_path)
+
+    @property
+    def replica_urls(self) -> list[str]:
+        return [f"http://127.0.0.1:{p}" for p in self.replica_ports]
+
+    def start(self) -> None:
+        for child in self.replicas:
+            child.start()
+        self.gateway.start()
+
+    def supervise(self) -> list[str]:
+        """Start again whatever exited, after its backoff; what happened, as lines to print."""
+        said = []
+        now = time.monotonic()
+        for child in [*self.replicas, self.gateway]:
+            assert child.proc is not None
+            if child.proc.poll() is None:
+                if now - child.started_at > STABLE_AFTER_S:
+                    child.backoff_s = RESTART_BASE_S
+                continue
+            if child.next_start == 0.0:
+                child.next_start = now + child.backoff_s
+                said.append(
+                    f"{child.name} exited with {child.proc.returncode}; "
+                    f"restarting in {child.backoff_s:.0f}s"
+                )
+            elif now >= child.next_start:
+                child.backoff_s = min(RESTART_CAP_S, child.backoff_s * 2)
+                child.next_start = 0.0
+                child.start()
+                said.append(f"{child.name} started again")
+        return said
+
+    def stop(self) -> None:
+        """The gateway first (no new work), then the replicas, which drain."""
+        self.gateway.stop(15)
+        for child in self.replicas:
+            child.stop(40)
+
+
 def up(
     model: str,
     replicas: int,
@@ -130,27 +230,7 @@ def up(
     serve_flags: list[str],
     model_name: str = "demo",
 ) -> int:
-    ports = [free_port() for _ in range(replicas)]
-    env = replica_env(replicas)
-    children = [
-        Child(
-            f"replica-{i}",
-            serve_argv(model, p, "--served-model-name", model_name, *serve_flags),
-            env=env,
-        )
-        for i, p in enumerate(ports)
-    ]
-    config = {
-        "host": host,
-        "port": port,
-        "models": {model_name: {"backends": [{"url": f"http://127.0.0.1:{p}"} for p in ports]}},
-        "health": {"interval_s": 1.0, "timeout_s": 2.0},
-    }
-    cfg_path = Path(tempfile.mkdtemp(prefix="poise-up-")) / "gateway.yaml"
-    cfg_path.write_text(yaml.safe_dump(config))
-    gateway = Child(
-        "gateway", [sys.executable, "-m", "poise.cli", "gateway", "--config", str(cfg_path)]
-    )
+    deployment = LocalDeployment.create(model, replicas, host, port, serve_flags, model_name)
     stopping = False
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
@@ -159,13 +239,12 @@ def up(
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    for child in children:
-        child.start()
-    gateway.start()
-    url = http_url(host, port)
+    deployment.start()
+    url = deployment.url
     print(
         f"poise up: starting a gateway at {url} in front of {replicas} replica(s) "
-        f"on ports {', '.join(map(str, ports))}; config {cfg_path} (Ctrl-C stops all)",
+        f"on ports {', '.join(map(str, deployment.replica_ports))}; "
+        f"config {deployment.config_path} (Ctrl-C stops all)",
         flush=True,
     )
     announced = False
@@ -180,27 +259,9 @@ def up(
                     f'"max_tokens": 32}}\'',
                     flush=True,
                 )
-            now = time.monotonic()
-            for child in [*children, gateway]:
-                assert child.proc is not None
-                if child.proc.poll() is None:
-                    if now - child.started_at > STABLE_AFTER_S:
-                        child.backoff_s = RESTART_BASE_S
-                    continue
-                if child.next_start == 0.0:
-                    child.next_start = now + child.backoff_s
-                    print(
-                        f"poise up: {child.name} exited with {child.proc.returncode}; "
-                        f"restarting in {child.backoff_s:.0f}s",
-                        flush=True,
-                    )
-                elif now >= child.next_start:
-                    child.backoff_s = min(RESTART_CAP_S, child.backoff_s * 2)
-                    child.next_start = 0.0
-                    child.start()
+            for line in deployment.supervise():
+                print(f"poise up: {line}", flush=True)
             time.sleep(0.2)
     finally:
-        gateway.stop(15)
-        for child in children:
-            child.stop(40)
+        deployment.stop()
     return 0

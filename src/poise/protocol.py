@@ -64,6 +64,8 @@ class APIError(Exception):
 
 
 DEADLINE_HEADER = "x-request-deadline-ms"
+# On a gateway's answer: how many upstream attempts it took (Envoy: x-envoy-attempt-count).
+ATTEMPT_COUNT_HEADER = "x-poise-attempt-count"
 # Asks a poise replica to put a note before each streamed event: the event's new token ids and
 # the characters of text sent so far. The gateway strips the notes and, should the stream
 # break, resumes the generation on another replica from exactly there (``poise_resume``).

@@ -29,6 +29,13 @@ class Record:
     itl_s: list[float] = field(default_factory=list)
     output_tokens: int | None = None
     error: str | None = None
+    # How it failed, when it did: "status" (an HTTP error), "error_event" (an error in the
+    # stream), "refused" (no connection), "dropped" (the connection broke), "truncated" (the
+    # stream ended without [DONE]), "timeout" (no whole answer in time), "bad_payload".
+    failure: str | None = None
+    attempts: int | None = None  # upstream attempts, from a gateway's x-poise-attempt-count
+    connect_retries: int = 0  # resends after a connection failed before any answer
+    abandoned: bool = False  # the client walked away on purpose (chaos)
 
     @property
     def completed(self) -> bool:

@@ -9,10 +9,9 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import aiohttp
 from tqdm import tqdm
 
-from poise.bench.client import request_body, send
+from poise.bench.client import SendOptions, client_session, request_body, send
 from poise.bench.report import Record, Summary
 from poise.bench.workload import Item
 
@@ -67,14 +66,13 @@ async def run(
     if (arrivals is None) == (concurrency is None):
         raise ValueError("give arrival times or a concurrency, not both")
     bar = Progress(len(items), progress)
-    timeout = aiohttp.ClientTimeout(total=target.timeout_s)
-    connector = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+    options = SendOptions(timeout_s=target.timeout_s)
+    async with client_session() as session:
         t0 = time.perf_counter()
 
         def one(item: Item) -> Awaitable[Record]:
             body = request_body(target.model, item, target.chat, target.ignore_eos)
-            return send(session, target.endpoint, body, target.headers, t0)
+            return send(session, target.endpoint, body, target.headers, t0, options)
 
         try:
             if arrivals is not None:

@@ -37,7 +37,7 @@ from poise.gateway.response_cache import cache_key
 from poise.gateway.stream import StreamPosition, relay
 from poise.observability import tracing as tr
 from poise.observability.logs import ms
-from poise.protocol import STREAM_TOKENS_HEADER, APIError
+from poise.protocol import ATTEMPT_COUNT_HEADER, STREAM_TOKENS_HEADER, APIError
 from poise.resilience.ratelimit import Charge
 
 if TYPE_CHECKING:
@@ -283,7 +283,9 @@ async def _handle(
         raise
     record.retries = sum(j.retries for j in journeys)
     record.backend = upstream.backend.url if upstream.backend is not None else None
-    extra = dict(limit_headers)
+    # Upstream attempts before this answer, as Envoy's x-envoy-attempt-count: a client (or
+    # poise chaos) can tell an answer that needed a retry or a fallback from a first-try one.
+    extra = {**limit_headers, ATTEMPT_COUNT_HEADER: str(record.retries + len(journeys))}
     if served_by != model:
         extra["x-poise-fallback"] = record.fallback = f"model:{served_by}"
     if upstream.body is not None:

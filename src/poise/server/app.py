@@ -20,7 +20,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from opentelemetry.sdk.trace import TracerProvider
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from poise import __version__
@@ -92,6 +92,15 @@ class FaultSettings(BaseModel):
     fail_steps: int | None = Field(default=None, ge=0, le=1_000_000)
     stall_s: float | None = Field(default=None, ge=0, le=3600)
     kill_loop: bool | None = None
+    # Answer every API request with this status (a replica that errors); 0 turns it off.
+    error_status: int | None = Field(default=None, ge=0, le=599)
+
+    @field_validator("error_status")
+    @classmethod
+    def _an_error(cls, v: int | None) -> int | None:
+        if v is not None and v != 0 and v < 400:
+            raise ValueError("error_status must be 0 (off) or an error status (400-599)")
+        return v
 
 
 class ServerState:
@@ -318,12 +327,21 @@ def create_app(
 
         @app.post("/admin/faults")
         async def set_faults(body: FaultSettings) -> dict[str, Any]:
-            return await state.require().engine.configure_faults(**body.model_dump())
+            replica = state.require()
+            settings = body.model_dump()
+            error_status = settings.pop("error_status")
+            if error_status is not None:
+                replica.injected_error_status = error_status
+            engine = await replica.engine.configure_faults(**settings)
+            return {**engine, "error_status": replica.injected_error_status}
 
         @app.delete("/admin/faults")
         async def clear_faults() -> dict[str, Any]:
-            return await state.require().engine.configure_faults(
+            replica = state.require()
+            replica.injected_error_status = 0
+            engine = await replica.engine.configure_faults(
                 step_delay_s=0.0, fail_steps=0, stall_s=0.0, kill_loop=False
             )
+            return {**engine, "error_status": 0}
 
     return app

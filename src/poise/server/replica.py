@@ -92,6 +92,9 @@ class Replica:
         )
         self.metrics = ServerMetrics(self.model_name, self.snapshot)
         self.inflight: dict[str, _InFlight] = {}
+        # Fault injection (``error_status``): every API request is answered with this status,
+        # as a bad deploy or a broken dependency would; 0 is off.
+        self.injected_error_status = 0
 
     # ----- health -----
     def health(self) -> tuple[bool, str]:
@@ -198,6 +201,10 @@ class Replica:
 
     # ----- requests -----
     def check_accepting(self) -> None:
+        if self.injected_error_status:
+            raise APIError(
+                self.injected_error_status, "injected fault: this replica fails every request"
+            )
         if self.phase is Phase.DRAINING:
             raise APIError(503, "the server is draining and takes no new requests", code="draining")
         if self.phase is not Phase.READY:

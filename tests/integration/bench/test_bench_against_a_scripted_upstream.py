@@ -9,6 +9,7 @@ import json
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import AsyncIterator, Iterator
 
 import pytest
@@ -19,7 +20,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from poise.asgi import uvicorn_config
-from poise.bench.report import SLO, summarize
+from poise.bench.client import SendOptions, client_session, request_body, send
+from poise.bench.report import SLO, Record, summarize
 from poise.bench.runner import Target, run
 from poise.bench.workload import Item
 from poise.launcher import answers_ok, free_port
@@ -159,3 +161,46 @@ def test_plot_writes_the_figures(upstream, tmp_path):
     for name in ("run-cdf.png", "run-timeline.png"):
         data = (tmp_path / name).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000, name
+
+
+def test_each_failure_names_its_kind(upstream):
+    items = [Item(p, 16) for p in ["reject", "cut", "error", "a"]]
+    records, _ = asyncio.run(run(Target(upstream, "m"), items, concurrency=4))
+    kinds = {i.prompt: r.failure for i, r in zip(items, records, strict=True)}
+    assert kinds == {"reject": "status", "cut": "truncated", "error": "error_event", "a": None}
+
+
+async def _send_one(url: str, options: SendOptions) -> Record:
+    async with client_session() as session:
+        body = request_body("m", Item("a", 16), chat=False, ignore_eos=False)
+        return await send(session, url + "/v1/completions", body, {}, time.perf_counter(), options)
+
+
+def test_a_client_that_walks_away_is_abandoned_not_failed(upstream):
+    r = asyncio.run(_send_one(upstream, SendOptions(timeout_s=5, abandon_after_s=0.1)))
+    assert r.abandoned and r.failure is None and not r.completed
+    late = asyncio.run(_send_one(upstream, SendOptions(timeout_s=0.1)))
+    assert late.failure == "timeout" and not late.abandoned
+
+
+def test_a_refused_connection_is_sent_again_until_the_server_answers(upstream):
+    nobody = f"http://127.0.0.1:{free_port()}"
+    once = asyncio.run(_send_one(nobody, SendOptions(timeout_s=2)))
+    assert once.failure == "refused" and once.connect_retries == 0
+    patient = asyncio.run(_send_one(nobody, SendOptions(timeout_s=0.5, retry_connect=True)))
+    assert patient.failure == "refused" and patient.connect_retries >= 2
+
+    # A server that comes up while the client is resending: the answer arrives.
+    port = free_port()
+    app = Starlette(routes=[Route("/v1/completions", completions, methods=["POST"])])
+    server = uvicorn.Server(uvicorn_config(app, "127.0.0.1", port, "warning"))
+    thread = threading.Thread(target=lambda: (time.sleep(0.4), server.run()), daemon=True)
+    thread.start()
+    try:
+        r = asyncio.run(
+            _send_one(f"http://127.0.0.1:{port}", SendOptions(timeout_s=10, retry_connect=True))
+        )
+    finally:
+        server.should_exit = True
+        thread.join(10)
+    assert r.completed and r.connect_retries >= 1 and r.failure is None

@@ -1,0 +1,280 @@
+"""A chaos run's arithmetic: what every request came to, detection, recovery, leaks. Pure.
+
+Each request ends as exactly one of: completed (some after a retry), refused (429/503, an
+explicit "not now"), failed (any other explicit error: a status, an error event, a refused
+connection), hung (no whole answer by its deadline plus a grace), lost (no answer and no
+error: a connection that broke, a stream cut short without an error), or abandoned (its
+client walked away on purpose). Lost and hung must be zero.
+
+Recovery looks at the steady traffic only, in windows of send time after the fault: a window
+is healthy when every steady request in it completed with a TTFT p99 within the threshold
+(twice the p99 before the fault, and at least 100 ms above it). MTTR is the time from the fault
+to the end of the last unhealthy window; availability is formula 1, MTBF / (MTBF + MTTR), with
+the run's unimpaired time as MTBF.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from poise.bench.report import REJECTED_STATUS, Record, Stats
+from poise.chaos.load import Sent
+from poise.chaos.sampler import Sample
+from poise.chaos.scenarios import Plan
+
+OUTCOMES = ("completed", "refused", "failed", "hung", "lost", "abandoned")
+WINDOW_S = 2.0
+_LOST_FAILURES = frozenset({"dropped", "truncated", "bad_payload"})
+
+
+def outcome(r: Record) -> str:
+    if r.abandoned:
+        return "abandoned"
+    if r.completed:
+        return "completed"
+    if r.failure == "timeout":
+        return "hung"
+    if r.failure in _LOST_FAILURES or r.failure is None:
+        return "lost"
+    if r.failure == "status" and r.status in REJECTED_STATUS:
+        return "refused"
+    return "failed"
+
+
+@dataclass(frozen=True, slots=True)
+class Counts:
+    sent: int
+    completed: int
+    after_retry: int  # completed, but only after the gateway or the client tried again
+    refused: int
+    failed: int
+    hung: int
+    lost: int
+    abandoned: int
+    ttft: Stats | None
+
+    @classmethod
+    def of(cls, sents: list[Sent]) -> Counts:
+        c = Counter(outcome(s.record) for s in sents)
+        done = [s.record for s in sents if s.record.completed]
+        return cls(
+            sent=len(sents),
+            after_retry=sum((r.attempts or 1) > 1 or r.connect_retries > 0 for r in done),
+            ttft=Stats.of([r.ttft_s for r in done if r.ttft_s is not None]),
+            **{k: c[k] for k in OUTCOMES},
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Leaks:
+    """What is still held once the load has stopped and every answer is in."""
+
+    kv_blocks: list[int | None]  # per replica; None: not answering (not a survivor)
+    replica_requests: list[int | None]
+    gateway_requests: int | None
+
+    @property
+    def clean(self) -> bool:
+        held = [*self.kv_blocks, *self.replica_requests, self.gateway_requests]
+        asked = not self.kv_blocks or any(v is not None for v in self.kv_blocks)
+        return all(v in (0, None) for v in held) and asked
+
+
+@dataclass(frozen=True, slots=True)
+class Timeline:
+    """The run second by second, for the plot and for a reader of the JSON."""
+
+    second: list[int]  # by the second each request was sent
+    completed: list[int]
+    refused: list[int]
+    failed: list[int]  # failed, hung and lost together
+    steady_ttft_p99_s: list[float | None]
+    sample_t: list[float]
+    backends: dict[str, list[str]]  # per backend URL, per sample: routed, half-open, out, ?
+    kv_used_blocks: list[list[int | None]]  # per replica, per sample
+
+    @classmethod
+    def of(
+        cls, sents: list[Sent], samples: list[Sample], backends: list[str], duration_s: float
+    ) -> Timeline:
+        n = int(duration_s) + 1
+        counts = {k: [0] * n for k in ("completed", "refused", "failed")}
+        ttfts: list[list[float]] = [[] for _ in range(n)]
+        for s in sents:
+            i = min(n - 1, int(s.planned.at_s))
+            kind = outcome(s.record)
+            if kind == "abandoned":
+                continue
+            counts[kind if kind in counts else "failed"][i] += 1
+            r = s.record
+            if s.planned.traffic.counts_for_recovery and r.ttft_s is not None:
+                ttfts[i].append(r.ttft_s)
+        p99 = [None if not t else (Stats.of(t) or Stats(0, 0, 0, 0)).p99 for t in ttfts]
+        states: dict[str, list[str]] = {b: [] for b in backends}
+        for smp in samples:
+            for b in backends:
+                states[b].append(_backend_state(smp, b))
+        replicas = max((len(smp.replicas) for smp in samples), default=0)
+        kv = [
+            [smp.replicas[i].kv_used_blocks if i < len(smp.replicas) else None for smp in samples]
+            for i in range(replicas)
+        ]
+        return cls(
+            list(range(n)),
+            counts["completed"],
+            counts["refused"],
+            counts["failed"],
+            p99,
+            [round(smp.t, 3) for smp in samples],
+            states,
+            kv,
+        )
+
+
+def _backend_state(s: Sample, backend: str) -> str:
+    if not s.gateway_up or s.eligible is None:
+        return "?"  # the gateway itself did not answer
+    breaker = s.breakers.get(backend, "closed")
+    if breaker == "half_open":
+        return "half-open"
+    return "routed" if backend in s.eligible and breaker == "closed" else "out"
+
+
+@dataclass(frozen=True, slots=True)
+class ChaosReport:
+    scenario: str
+    summary: str
+    plan: dict[str, Any]
+    counts: Counts
+    by_traffic: dict[str, Counts]
+    migrated: float | None  # streams continued on another replica (a poise gateway's count)
+    detected_s: float | None
+    detection: str
+    baseline_ttft_p99_s: float | None
+    mttr_s: float | None  # None: not recovered within the run
+    availability: float | None
+    leaks: Leaks
+    preemptions: int | None
+    events: list[tuple[float, str]] = field(default_factory=list)
+    timeline: Timeline | None = None
+    scenario_holds: bool = False  # the fault lasts for the plan's hold, then ends
+
+    @property
+    def passed(self) -> bool:
+        return self.counts.lost == 0 and self.counts.hung == 0 and self.leaks.clean
+
+    def as_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["passed"] = self.passed
+        return d
+
+
+def detection_time(
+    samples: list[Sample], fault_at: float, how: str, target: str | None
+) -> float | None:
+    """Seconds from the fault until the gateway showed it knew."""
+    for s in samples:
+        if s.t < fault_at:
+            continue
+        if how == "redis" and s.redis_up is False:
+            return s.t - fault_at
+        if how != "ejection" or target is None or s.eligible is None:
+            continue
+        if target not in s.eligible or s.breakers.get(target, "closed") != "closed":
+            return s.t - fault_at
+    return None
+
+
+def baseline_p99(sents: list[Sent], plan: Plan) -> float | None:
+    warm = min(2.0, plan.fault_at_s / 4)
+    before = [
+        s.record.ttft_s
+        for s in sents
+        if s.planned.traffic.counts_for_recovery
+        and warm <= s.planned.at_s < plan.fault_at_s
+        and s.record.completed
+        and s.record.ttft_s is not None
+    ]
+    stats = Stats.of(before)
+    return None if stats is None else stats.p99
+
+
+def recovery_time(sents: list[Sent], plan: Plan, baseline: float | None) -> float | None:
+    """MTTR: the fault to the end of the last unhealthy window; None if the run ended hurt."""
+    if baseline is None:
+        return None
+    limit = max(2 * baseline, baseline + 0.1)
+    steady = [s for s in sents if s.planned.traffic.counts_for_recovery and not s.record.abandoned]
+    recovered = plan.fault_at_s
+    start = plan.fault_at_s
+    while start < plan.duration_s:
+        end = start + WINDOW_S
+        window = [s.record for s in steady if start <= s.planned.at_s < end]
+        ttfts = [r.ttft_s for r in window if r.ttft_s is not None]
+        healthy = all(r.completed for r in window) and (
+            not ttfts or (Stats.of(ttfts) or Stats(0, 0, 0, 0)).p99 <= limit
+        )
+        if not healthy:
+            if end >= plan.duration_s:
+                return None
+            recovered = end
+        start = end
+    return recovered - plan.fault_at_s
+
+
+def preemptions(samples: list[Sample]) -> int | None:
+    """Preemptions during the run: each replica's counter's increase (restarts count anew)."""
+    total, seen = 0, False
+    n = max((len(s.replicas) for s in samples), default=0)
+    for i in range(n):
+        last: int | None = None
+        for s in samples:
+            v = s.replicas[i].preemptions if i < len(s.replicas) else None
+            if v is None:
+                continue
+            seen = True
+            if last is not None:
+                total += v - last if v >= last else v
+            last = v
+    return total if seen else None
+
+
+def build(
+    scenario: str,
+    summary: str,
+    plan: Plan,
+    sents: list[Sent],
+    samples: list[Sample],
+    migrated: float | None,
+    detection: str,
+    target: str | None,
+    leaks: Leaks,
+    events: list[tuple[float, str]],
+    backends: list[str],
+    holds: bool = False,
+) -> ChaosReport:
+    by_label: dict[str, list[Sent]] = {}
+    for s in sents:
+        by_label.setdefault(s.planned.traffic.label, []).append(s)
+    baseline = baseline_p99(sents, plan)
+    mttr = recovery_time(sents, plan, baseline)
+    return ChaosReport(
+        scenario=scenario,
+        summary=summary,
+        plan=asdict(plan),
+        counts=Counts.of(sents),
+        by_traffic={k: Counts.of(v) for k, v in by_label.items()},
+        migrated=migrated,
+        detected_s=detection_time(samples, plan.fault_at_s, detection, target),
+        detection=detection,
+        baseline_ttft_p99_s=baseline,
+        mttr_s=mttr,
+        availability=None if mttr is None else (plan.duration_s - mttr) / plan.duration_s,
+        leaks=leaks,
+        preemptions=preemptions(samples),
+        events=events,
+        timeline=Timeline.of(sents, samples, backends, plan.duration_s),
+        scenario_holds=holds,
+    )

@@ -1,0 +1,230 @@
+"""The faults ``poise chaos`` knows: what each does, to what, and the traffic around it.
+
+A scenario is data plus two actions on a ``Harness`` (the deployment under test): ``inject`` at
+the fault time and, for faults that end, ``recover`` after the hold. Traffic is the steady
+stream every run has, plus what a scenario adds while its fault holds (a flood, long prompts,
+clients that walk away). Faults that need a process (a signal, Redis) need a local deployment;
+the others act over HTTP (``/admin/faults``) and work against any poise replicas.
+"""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from poise.bench.workload import Lengths
+
+
+class ChaosError(RuntimeError):
+    """A scenario cannot run as asked (say, a signal to a replica that is not local)."""
+
+
+class Harness(Protocol):
+    """What a fault acts on."""
+
+    def signal_replica(self, index: int, sig: signal.Signals) -> None: ...
+    def set_faults(self, index: int, **faults: Any) -> None: ...
+    def clear_faults(self, index: int) -> None: ...
+    def signal_gateway(self, sig: signal.Signals) -> None: ...
+    def stop_redis(self) -> None: ...
+    def start_redis(self) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Traffic:
+    """Poisson arrivals at ``rate`` per second from ``start_s`` to ``end_s`` of the run."""
+
+    label: str
+    rate: float
+    start_s: float
+    end_s: float
+    prompt_len: Lengths
+    output_len: Lengths
+    key: str | None = None  # the name of an API key of the chaos gateway (its priority)
+    abandon_share: float = 0.0  # this share of requests is given up part way
+    counts_for_recovery: bool = True  # steady traffic: what MTTR and detection look at
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """A run's timing and steady load; what scenarios build their traffic from."""
+
+    duration_s: float
+    fault_at_s: float
+    hold_s: float
+    rate: float
+    prompt_len: Lengths
+    output_len: Lengths
+    capacity: float  # requests per second the deployment serves at the steady lengths
+
+    @classmethod
+    def of(
+        cls,
+        duration_s: float,
+        rate: float,
+        capacity: float,
+        prompt_len: Lengths | None = None,
+        output_len: Lengths | None = None,
+    ) -> Plan:
+        """The fault a third of the way in, held for a third: steady, hurt, after."""
+        return cls(
+            duration_s=duration_s,
+            fault_at_s=duration_s / 3,
+            hold_s=duration_s / 3,
+            rate=rate,
+            prompt_len=prompt_len or Lengths(24),
+            output_len=output_len or Lengths(128),
+            capacity=capacity,
+        )
+
+    @property
+    def recover_at_s(self) -> float:
+        return self.fault_at_s + self.hold_s
+
+    def steady(self, key: str | None = None) -> Traffic:
+        return Traffic(
+            "steady", self.rate, 0.0, self.duration_s, self.prompt_len, self.output_len, key
+        )
+
+    def during_fault(self, label: str, rate: float, **kw: Any) -> Traffic:
+        kw.setdefault("prompt_len", self.prompt_len)
+        kw.setdefault("output_len", self.output_len)
+        return Traffic(
+            label, rate, self.fault_at_s, self.recover_at_s, counts_for_recovery=False, **kw
+        )
+
+
+Action = Callable[[Harness], None]
+
+# API keys of the chaos gateway: lower priority values are served first (as in vLLM).
+INTERACTIVE_KEY = "interactive"
+BATCH_KEY = "batch"
+KEYS = {INTERACTIVE_KEY: 0, BATCH_KEY: 10}
+
+
+@dataclass(frozen=True, slots=True)
+class Scenario:
+    name: str
+    summary: str
+    inject: Action
+    recover: Action | None = None
+    target: int | None = 0  # the replica hurt, whose ejection is the detection; None: none
+    detect: str = "ejection"  # ejection | redis | none
+    local_only: bool = False  # needs process ids or Redis: a deployment poise chaos started
+    needs_redis: bool = False
+    serve_flags: tuple[str, ...] = ()
+    gateway: dict[str, Any] = field(default_factory=dict)
+    keyed: bool = False  # requests carry the interactive / batch keys
+    extra: Callable[[Plan], list[Traffic]] = lambda plan: []
+
+
+def _signal(index: int, sig: signal.Signals) -> Action:
+    return lambda h: h.signal_replica(index, sig)
+
+
+def _faults(index: int, **faults: Any) -> Action:
+    return lambda h: h.set_faults(index, **faults)
+
+
+def _clear(index: int) -> Action:
+    return lambda h: h.clear_faults(index)
+
+
+SCENARIOS: dict[str, Scenario] = {
+    s.name: s
+    for s in [
+        Scenario(
+            "kill-replica",
+            "SIGKILL replica 0; the supervisor starts it again",
+            _signal(0, signal.SIGKILL),
+            local_only=True,
+        ),
+        Scenario(
+            "hang-replica",
+            "SIGSTOP replica 0 for the hold, then SIGCONT",
+            _signal(0, signal.SIGSTOP),
+            _signal(0, signal.SIGCONT),
+            local_only=True,
+        ),
+        Scenario(
+            "slow-replica",
+            "every engine step of replica 0 takes 250 ms longer for the hold",
+            _faults(0, step_delay_s=0.25),
+            _clear(0),
+        ),
+        Scenario(
+            "error-replica",
+            "replica 0 answers every request with 500 for the hold",
+            _faults(0, error_status=500),
+            _clear(0),
+        ),
+        Scenario(
+            "step-exception",
+            "the next 40 engine steps of replica 0 raise (its running requests fail)",
+            _faults(0, fail_steps=40),
+            _clear(0),
+        ),
+        Scenario(
+            "kv-exhaustion",
+            "long prompts and outputs on a small KV pool: preemption for the hold",
+            lambda h: None,
+            target=None,
+            detect="none",
+            serve_flags=("--num-kv-blocks", "48"),
+            extra=lambda plan: [
+                plan.during_fault(
+                    "long",
+                    max(1.0, plan.rate / 2),
+                    prompt_len=Lengths(200),
+                    output_len=Lengths(200),
+                )
+            ],
+        ),
+        Scenario(
+            "disconnect-storm",
+            "twice the steady rate more, half of it abandoned by its clients part way",
+            lambda h: None,
+            target=None,
+            detect="none",
+            extra=lambda plan: [plan.during_fault("abandoning", 2 * plan.rate, abandon_share=0.5)],
+        ),
+        Scenario(
+            "flood",
+            "batch traffic at 10x capacity on top of the steady interactive load",
+            lambda h: None,
+            target=None,
+            detect="none",
+            keyed=True,
+            serve_flags=("--max-queue-wait-s", "2"),
+            gateway={"admission": {"max_queue": 64, "queue_ttl_s": 2.0}},
+            extra=lambda plan: [plan.during_fault("flood", 10 * plan.capacity, key=BATCH_KEY)],
+        ),
+        Scenario(
+            "redis-down",
+            "the shared rate limits' Redis is killed for the hold, then started again",
+            lambda h: h.stop_redis(),
+            lambda h: h.start_redis(),
+            target=None,
+            detect="redis",
+            local_only=True,
+            needs_redis=True,
+            keyed=True,
+        ),
+        Scenario(
+            "drain",
+            "SIGTERM replica 0 under load; it drains and the supervisor starts it again",
+            _signal(0, signal.SIGTERM),
+            local_only=True,
+        ),
+        Scenario(
+            "gateway-restart",
+            "SIGTERM the gateway; it drains and the supervisor starts it again",
+            lambda h: h.signal_gateway(signal.SIGTERM),
+            target=None,
+            detect="none",
+            local_only=True,
+        ),
+    ]
+}

@@ -1,0 +1,138 @@
+"""Every ``poise chaos`` scenario, short: real replicas, a real gateway, a real fault.
+
+Each runs the command a user runs (24 s of load, the fault at 8 s held for 8 s) and asserts
+what a user of the deployment would notice: no request lost, none hung past its deadline,
+nothing held once the load stops, and the fault's own signature (detected, retried, migrated,
+shed by priority, ...). The full-length runs are benchmarks (see docs/chaos.md).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from poise.chaos.scenarios import SCENARIOS
+
+pytestmark = pytest.mark.slow
+DURATION_S = 24
+
+
+def chaos(model: Path, scenario: str, work: Path) -> dict[str, Any]:
+    report = work / "report.json"
+    argv = [
+        sys.executable, "-m", "poise.cli", "chaos", "--scenario", scenario, "--model",
+        str(model), "--duration", str(DURATION_S), "--json", str(report), "--work-dir",
+        str(work),
+    ]  # fmt: skip
+    # A session of its own, so that a run that overstays is stopped with all it started.
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+    )
+    try:
+        out, _ = proc.communicate(timeout=200)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        pytest.fail(f"poise chaos --scenario {scenario} did not finish in 200 s")
+    text = out.decode(errors="replace")
+    assert report.exists(), text[-3000:]
+    (data,) = json.loads(report.read_text())
+    data["output"] = text
+    return data
+
+
+@pytest.fixture(params=list(SCENARIOS))
+def run(request, llama_dir, tmp_path) -> dict[str, Any]:
+    return chaos(llama_dir, request.param, tmp_path)
+
+
+def test_the_scenario_loses_nothing_hangs_nothing_and_leaks_nothing(run):
+    c, leaks, why = run["counts"], run["leaks"], run["output"][-3000:]
+    assert c["lost"] == 0, why
+    assert c["hung"] == 0, why
+    assert all(b == 0 for b in leaks["kv_blocks"] if b is not None), why
+    assert all(r == 0 for r in leaks["replica_requests"] if r is not None), why
+    assert leaks["gateway_requests"] == 0, why
+    assert run["passed"], why
+    assert c["sent"] == sum(c[k] for k in ("completed", "refused", "failed", "hung", "lost",
+                                          "abandoned"))  # fmt: skip
+    steady = run["by_traffic"]["steady"]
+    # The steady clients were served: a fault costs at most a few of them, never most.
+    assert steady["completed"] >= 0.9 * steady["sent"], why
+    check = SIGNATURES.get(run["scenario"])
+    if check is not None:
+        check(run)
+
+
+def _detected_within(limit_s: float):  # type: ignore[no-untyped-def]
+    def check(run: dict[str, Any]) -> None:
+        assert run["detected_s"] is not None and run["detected_s"] <= limit_s, run["output"]
+
+    return check
+
+
+def _no_failures(run: dict[str, Any]) -> None:
+    assert run["counts"]["failed"] == 0 and run["counts"]["refused"] == 0, run["output"]
+
+
+def _kill(run: dict[str, Any]) -> None:
+    _detected_within(3.0)(run)
+    _no_failures(run)
+    assert any("replica-0 started again" in text for _, text in run["events"]), run["events"]
+
+
+def _errors(run: dict[str, Any]) -> None:
+    _detected_within(5.0)(run)
+    _no_failures(run)
+    assert run["counts"]["after_retry"] > 0, run["output"]  # the 500s were retried elsewhere
+
+
+def _kv(run: dict[str, Any]) -> None:
+    assert run["preemptions"] > 0, run["output"]  # the pool really ran out
+    assert run["by_traffic"]["long"]["completed"] > 0
+    _no_failures(run)
+
+
+def _storm(run: dict[str, Any]) -> None:
+    assert run["counts"]["abandoned"] > 0
+    _no_failures(run)
+
+
+def _flood(run: dict[str, Any]) -> None:
+    flood, steady = run["by_traffic"]["flood"], run["by_traffic"]["steady"]
+    assert flood["refused"] > 0, run["output"]  # shed openly, with 429/503
+    # Interactive traffic keeps its latency through a batch flood ten times capacity.
+    assert steady["completed"] == steady["sent"], run["output"]
+    assert steady["ttft"]["p50"] < 1.0, run["output"]
+
+
+def _redis(run: dict[str, Any]) -> None:
+    _detected_within(3.0)(run)
+    _no_failures(run)
+
+
+def _gateway_restart(run: dict[str, Any]) -> None:
+    assert run["counts"]["after_retry"] > 0, run["output"]  # clients resent while it was down
+    assert any("gateway started again" in text for _, text in run["events"]), run["events"]
+    _no_failures(run)
+
+
+SIGNATURES = {
+    "kill-replica": _kill,
+    "hang-replica": _detected_within(5.0),
+    "error-replica": _errors,
+    "step-exception": _no_failures,
+    "kv-exhaustion": _kv,
+    "disconnect-storm": _storm,
+    "flood": _flood,
+    "redis-down": _redis,
+    "drain": _no_failures,
+    "gateway-restart": _gateway_restart,
+}

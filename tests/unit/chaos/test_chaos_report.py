@@ -1,0 +1,127 @@
+"""The chaos report's arithmetic on made-up runs whose answers are known."""
+
+from __future__ import annotations
+
+import pytest
+
+from poise.bench.report import Record
+from poise.bench.workload import Item, Lengths
+from poise.chaos.load import Planned, Sent
+from poise.chaos.report import (
+    Counts,
+    Leaks,
+    baseline_p99,
+    build,
+    detection_time,
+    outcome,
+    preemptions,
+    recovery_time,
+)
+from poise.chaos.sampler import ReplicaSample, Sample
+from poise.chaos.scenarios import Plan, Traffic
+
+PLAN = Plan.of(duration_s=30.0, rate=4.0, capacity=10.0)
+STEADY = PLAN.steady()
+EXTRA = PLAN.during_fault("flood", 40.0)
+
+
+def ok(at: float, ttft: float = 0.05, attempts: int = 1, traffic: Traffic = STEADY) -> Sent:
+    r = Record(sent_at=at, status=200, ttft_s=ttft, e2e_s=ttft + 0.5, output_tokens=10)
+    r.attempts = attempts
+    return Sent(Planned(at, traffic, Item("p", 10)), r)
+
+
+def bad(at: float, traffic: Traffic = STEADY, **kw: object) -> Sent:
+    r = Record(sent_at=at, status=int(kw.pop("status", 0)))  # type: ignore[call-overload]
+    for k, v in kw.items():
+        setattr(r, k, v)
+    return Sent(Planned(at, traffic, Item("p", 10)), r)
+
+
+def test_every_request_ends_as_exactly_one_outcome():
+    assert outcome(ok(1).record) == "completed"
+    assert outcome(bad(1, status=429, failure="status").record) == "refused"
+    assert outcome(bad(1, status=503, failure="status").record) == "refused"
+    assert outcome(bad(1, status=500, failure="status").record) == "failed"
+    assert outcome(bad(1, status=200, failure="error_event").record) == "failed"
+    assert outcome(bad(1, failure="refused").record) == "failed"  # the client was told
+    assert outcome(bad(1, failure="timeout").record) == "hung"
+    for silent in ("dropped", "truncated", "bad_payload", None):
+        assert outcome(bad(1, status=200, failure=silent).record) == "lost"
+    assert outcome(bad(1, abandoned=True, error="abandoned").record) == "abandoned"
+
+
+def test_counts_tell_a_retried_answer_from_a_first_try_one():
+    sents = [ok(1), ok(2, attempts=2), ok(3), bad(4, failure="timeout")]
+    sents[2].record.connect_retries = 1
+    c = Counts.of(sents)
+    assert (c.sent, c.completed, c.after_retry, c.hung, c.lost) == (4, 3, 2, 1, 0)
+
+
+def test_detection_is_the_first_sample_after_the_fault_that_shows_it():
+    target = "http://127.0.0.1:1"
+    other = "http://127.0.0.1:2"
+
+    def s(t: float, eligible: list[str], breaker: str = "closed") -> Sample:
+        return Sample(t, True, eligible, {target: breaker, other: "closed"})
+
+    samples = [s(9.0, [other]), s(10.25, [target, other]), s(10.5, [target, other], "open"),
+               s(10.75, [other])]  # fmt: skip
+    # Out before the fault is not a detection of it; an open breaker is.
+    assert detection_time(samples, 10.0, "ejection", target) == pytest.approx(0.5)
+    assert detection_time(samples, 10.0, "ejection", None) is None
+    redis = [Sample(9.0, True, redis_up=False), Sample(11.0, True, redis_up=True),
+             Sample(12.5, True, redis_up=False)]  # fmt: skip
+    assert detection_time(redis, 10.0, "redis", None) == pytest.approx(2.5)
+
+
+def test_mttr_is_the_end_of_the_last_unhealthy_window():
+    # Steady at 50 ms before the fault at 10 s; slow until 14 s; one failure at 15 s.
+    sents = [ok(t / 2, 0.05) for t in range(0, 20)]
+    sents += [ok(10 + t / 2, 0.5) for t in range(0, 8)]
+    sents += [bad(15.0, status=500, failure="status")]
+    sents += [ok(16 + t / 2, 0.05) for t in range(0, 28)]
+    assert baseline_p99(sents, PLAN) == pytest.approx(0.05)
+    # Windows of 2 s from the fault: [10,12) [12,14) slow, [14,16) has the failure.
+    assert recovery_time(sents, PLAN, 0.05) == pytest.approx(6.0)
+    # Traffic that is not steady (a flood's refusals) does not count against recovery.
+    flood = [bad(11.0, EXTRA, status=429, failure="status")]
+    assert recovery_time([*sents[:20], *flood, *sents[28:]], PLAN, 0.05) == pytest.approx(6.0)
+    # Still hurt in the last window: not recovered.
+    assert recovery_time([*sents, ok(29.5, 0.9)], PLAN, 0.05) is None
+    # Nothing visible at all: recovered at once.
+    assert recovery_time([ok(t / 2) for t in range(60)], PLAN, 0.05) == 0.0
+
+
+def test_preemptions_add_up_across_a_restart():
+    def s(t: float, *counts: int | None) -> Sample:
+        return Sample(
+            t, True, replicas=[ReplicaSample(c is not None, preemptions=c) for c in counts]
+        )
+
+    samples = [s(0, 0, 5), s(1, 3, 5), s(2, None, 7), s(3, 1, 7), s(4, 2, 7)]
+    assert preemptions(samples) == 3 + 1 + 1 + 2
+
+
+def test_leaks_are_clean_only_when_nothing_is_held_by_anyone():
+    assert Leaks([0, 0], [0, 0], 0).clean
+    assert Leaks([0, None], [0, None], 0).clean  # a replica that is gone holds nothing
+    assert not Leaks([0, 3], [0, 0], 0).clean
+    assert not Leaks([0, 0], [1, 0], 0).clean
+    assert not Leaks([0, 0], [0, 0], 2).clean
+    assert not Leaks([None, None], [None, None], None).clean  # nobody to ask is not clean
+    assert Leaks([], [], None).clean  # nothing named: remote, judged by lost and hung
+
+
+def test_the_report_fails_on_a_lost_request_and_passes_without():
+    good = [ok(t / 2) for t in range(60)]
+    clean = Leaks([0, 0], [0, 0], 0)
+    report = build("x", "x", PLAN, good, [], 0, "none", None, clean, [], [])
+    assert report.passed and report.availability == 1.0 and report.mttr_s == 0.0
+    lost = build("x", "x", PLAN, [*good, bad(12, status=200, failure="truncated")], [], 0,
+                 "none", None, clean, [], [])  # fmt: skip
+    assert not lost.passed and lost.counts.lost == 1
+    assert lost.mttr_s == pytest.approx(4.0) and lost.availability == pytest.approx(26 / 30)
+    timeline = lost.timeline
+    assert timeline is not None and sum(timeline.failed) == 1 and sum(timeline.completed) == 60
+    assert Lengths(24) == PLAN.prompt_len
