@@ -121,6 +121,15 @@ def format_report(r: ChaosReport) -> str:
     if len(r.by_traffic) > 1:
         for label, tc in r.by_traffic.items():
             lines.append(f"{'  ' + label:<24}{_counts(tc)}")
+        for label, rate in r.offered.items():
+            if label == "steady" or label not in r.by_traffic:
+                continue
+            served = r.by_traffic[label].completed / r.plan["hold_s"]
+            times = f" ({rate / served:.1f}x what was served)" if served else ""
+            lines.append(
+                f"{'  ' + label:<24}offered {rate:.1f} req/s for {r.plan['hold_s']:g}s, "
+                f"served {served:.1f} req/s{times}"
+            )
     lines += [
         f"{'migrated mid-stream':<24}{'-' if r.migrated is None else int(r.migrated)}",
         f"{'time to detect':<24}{_detection(r)}",

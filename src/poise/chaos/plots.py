@@ -17,7 +17,7 @@ _STATE_COLORS = {"routed": "#2ca02c", "half-open": "#ff7f0e", "out": "#d62728", 
 
 def plot_timeline(report: ChaosReport, prefix: Path) -> Path:
     plt = _pyplot()
-    from matplotlib.ticker import NullFormatter, ScalarFormatter
+    from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
 
     tl = report.timeline
     assert tl is not None
@@ -53,6 +53,7 @@ def plot_timeline(report: ChaosReport, prefix: Path) -> Path:
         ax.axhline(base, color="gray", linestyle=":", label=f"p99 before the fault ({base:.0f} ms)")
     ax.set_ylabel("TTFT p99 (ms)")
     ax.set_yscale("log")
+    ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
     ax.yaxis.set_major_formatter(ScalarFormatter())
     ax.yaxis.set_minor_formatter(NullFormatter())
     ax.legend(loc="upper left", fontsize=8)
@@ -91,6 +92,10 @@ def plot_timeline(report: ChaosReport, prefix: Path) -> Path:
             ax.axvline(fault + report.mttr_s, color="#2ca02c", linestyle="--", linewidth=1.2)
     axes[0].annotate("fault", (fault, 1.0), xycoords=("data", "axes fraction"), color="#d62728",
                      ha="left", va="bottom", fontsize=9)  # fmt: skip
+    if report.scenario_holds:
+        axes[0].annotate("fault ends", (fault + plan["hold_s"], 1.0),
+                         xycoords=("data", "axes fraction"), color="#d62728", ha="right",
+                         va="bottom", fontsize=9)  # fmt: skip
     if report.mttr_s:
         axes[0].annotate("recovered", (fault + report.mttr_s, 1.0),
                          xycoords=("data", "axes fraction"), color="#2ca02c", ha="left",

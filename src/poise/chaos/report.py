@@ -160,6 +160,7 @@ class ChaosReport:
     events: list[tuple[float, str]] = field(default_factory=list)
     timeline: Timeline | None = None
     scenario_holds: bool = False  # the fault lasts for the plan's hold, then ends
+    offered: dict[str, float] = field(default_factory=dict)  # requests per second, by traffic
 
     @property
     def passed(self) -> bool:
@@ -254,6 +255,7 @@ def build(
     events: list[tuple[float, str]],
     backends: list[str],
     holds: bool = False,
+    offered: dict[str, float] | None = None,
 ) -> ChaosReport:
     by_label: dict[str, list[Sent]] = {}
     for s in sents:
@@ -277,4 +279,5 @@ def build(
         events=events,
         timeline=Timeline.of(sents, samples, backends, plan.duration_s),
         scenario_holds=holds,
+        offered=offered or {},
     )

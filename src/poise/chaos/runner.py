@@ -324,6 +324,7 @@ async def _measure(
         deployed.events,
         deployed.replica_urls,
         holds=scenario.recover is not None or bool(scenario.extra(plan)),
+        offered={t.label: t.rate for t in traffic},
     )
 
 

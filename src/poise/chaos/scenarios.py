@@ -198,7 +198,15 @@ SCENARIOS: dict[str, Scenario] = {
             detect="none",
             keyed=True,
             serve_flags=("--max-queue-wait-s", "2"),
-            gateway={"admission": {"max_queue": 64, "queue_ttl_s": 2.0}},
+            # The gateway holds the line (replicas keep short queues), so priority decides.
+            gateway={
+                "admission": {
+                    "max_inflight_per_backend": 16,
+                    "max_backend_waiting": 4,
+                    "max_queue": 64,
+                    "queue_ttl_s": 2.0,
+                }
+            },
             extra=lambda plan: [plan.during_fault("flood", 10 * plan.capacity, key=BATCH_KEY)],
         ),
         Scenario(
