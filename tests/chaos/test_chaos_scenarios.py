@@ -29,7 +29,7 @@ def chaos(model: Path, scenario: str, work: Path) -> dict[str, Any]:
     argv = [
         sys.executable, "-m", "poise.cli", "chaos", "--scenario", scenario, "--model",
         str(model), "--duration", str(DURATION_S), "--json", str(report), "--work-dir",
-        str(work),
+        str(work), "--capacity", "10",
     ]  # fmt: skip
     # A session of its own, so that a run that overstays is stopped with all it started.
     proc = subprocess.Popen(

@@ -148,6 +148,26 @@ def test_failed_step_errors_its_requests_and_the_next_succeed(start_server):
     assert server.wait_metric("vllm:kv_cache_usage_perc", 0) == 0
 
 
+def test_an_injected_error_status_fails_every_request_but_not_health(start_server):
+    server = start_server()
+    server.faults(error_status=503)
+    r = post(server, {"prompt": "x", "max_tokens": 3})
+    assert r.status_code == 503 and "injected fault" in r.json()["error"]["message"]
+    chat = httpx.post(
+        server.url + "/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 3},
+        timeout=30,
+    )
+    assert chat.status_code == 503
+    # The engine is fine: health (a real generation) stays green, as with a broken deploy.
+    assert httpx.get(server.url + "/health", params={"probe": "generate"}).status_code == 200
+    bad = httpx.post(server.url + "/admin/faults", json={"error_status": 200}, timeout=5)
+    assert bad.status_code in (400, 422)
+    cleared = httpx.delete(server.url + "/admin/faults", timeout=5)
+    assert cleared.json()["error_status"] == 0
+    assert post(server, {"prompt": "x", "max_tokens": 3}).status_code == 200
+
+
 def test_priority_sheds_the_lowest_waiting_first(start_server):
     server = start_server("--max-num-seqs", "1", "--max-waiting-requests", "1")
     server.faults(step_delay_s=0.05)

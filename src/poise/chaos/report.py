@@ -9,8 +9,9 @@ client walked away on purpose). Lost and hung must be zero.
 Recovery looks at the steady traffic only, in windows of send time after the fault: a window
 is healthy when every steady request in it completed with a TTFT p99 within the threshold
 (twice the p99 before the fault, and at least 100 ms above it). MTTR is the time from the fault
-to the end of the last unhealthy window; availability is formula 1, MTBF / (MTBF + MTTR), with
-the run's unimpaired time as MTBF.
+to the start of the first run of ``STABLE_WINDOWS`` healthy windows in a row: back, and staying
+back (a lone slow request later is not the same outage). Availability is formula 1,
+MTBF / (MTBF + MTTR), with the run's unimpaired time as MTBF.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from poise.chaos.scenarios import Plan
 
 OUTCOMES = ("completed", "refused", "failed", "hung", "lost", "abandoned")
 WINDOW_S = 2.0
+STABLE_WINDOWS = 3  # healthy windows in a row that count as recovered
 _LOST_FAILURES = frozenset({"dropped", "truncated", "bad_payload"})
 
 
@@ -153,6 +155,7 @@ class ChaosReport:
     detected_s: float | None
     detection: str
     baseline_ttft_p99_s: float | None
+    worst_ttft_p99_s: float | None  # the steady traffic's worst 2 s window after the fault
     mttr_s: float | None  # None: not recovered within the run
     availability: float | None
     leaks: Leaks
@@ -161,6 +164,7 @@ class ChaosReport:
     timeline: Timeline | None = None
     scenario_holds: bool = False  # the fault lasts for the plan's hold, then ends
     offered: dict[str, float] = field(default_factory=dict)  # requests per second, by traffic
+    requests: list[dict[str, Any]] = field(default_factory=list)  # each one, for the JSON
 
     @property
     def passed(self) -> bool:
@@ -202,27 +206,41 @@ def baseline_p99(sents: list[Sent], plan: Plan) -> float | None:
     return None if stats is None else stats.p99
 
 
+def _windows(sents: list[Sent], plan: Plan) -> list[tuple[float, bool, float | None]]:
+    """Each window of steady traffic after the fault: its start, healthy or not, its p99."""
+    steady = [s for s in sents if s.planned.traffic.counts_for_recovery and not s.record.abandoned]
+    out = []
+    start = plan.fault_at_s
+    while start < plan.duration_s:
+        window = [s.record for s in steady if start <= s.planned.at_s < start + WINDOW_S]
+        stats = Stats.of([r.ttft_s for r in window if r.ttft_s is not None])
+        out.append((start, all(r.completed for r in window), None if stats is None else stats.p99))
+        start += WINDOW_S
+    return out
+
+
 def recovery_time(sents: list[Sent], plan: Plan, baseline: float | None) -> float | None:
-    """MTTR: the fault to the end of the last unhealthy window; None if the run ended hurt."""
+    """MTTR: the fault to the first of ``STABLE_WINDOWS`` healthy windows; None if never."""
     if baseline is None:
         return None
     limit = max(2 * baseline, baseline + 0.1)
-    steady = [s for s in sents if s.planned.traffic.counts_for_recovery and not s.record.abandoned]
-    recovered = plan.fault_at_s
-    start = plan.fault_at_s
-    while start < plan.duration_s:
-        end = start + WINDOW_S
-        window = [s.record for s in steady if start <= s.planned.at_s < end]
-        ttfts = [r.ttft_s for r in window if r.ttft_s is not None]
-        healthy = all(r.completed for r in window) and (
-            not ttfts or (Stats.of(ttfts) or Stats(0, 0, 0, 0)).p99 <= limit
-        )
-        if not healthy:
-            if end >= plan.duration_s:
-                return None
-            recovered = end
-        start = end
-    return recovered - plan.fault_at_s
+    streak_start, streak = None, 0
+    for start, completed, p99 in _windows(sents, plan):
+        if completed and (p99 is None or p99 <= limit):
+            streak_start = start if streak == 0 else streak_start
+            streak += 1
+            if streak >= STABLE_WINDOWS:
+                assert streak_start is not None
+                return streak_start - plan.fault_at_s
+        else:
+            streak = 0
+    return None
+
+
+def worst_p99(sents: list[Sent], plan: Plan) -> float | None:
+    """The steady traffic's worst windowed p99 TTFT after the fault: how bad it got."""
+    values = [p99 for _, _, p99 in _windows(sents, plan) if p99 is not None]
+    return max(values) if values else None
 
 
 def preemptions(samples: list[Sample]) -> int | None:
@@ -272,6 +290,7 @@ def build(
         detected_s=detection_time(samples, plan.fault_at_s, detection, target),
         detection=detection,
         baseline_ttft_p99_s=baseline,
+        worst_ttft_p99_s=worst_p99(sents, plan),
         mttr_s=mttr,
         availability=None if mttr is None else (plan.duration_s - mttr) / plan.duration_s,
         leaks=leaks,
@@ -280,4 +299,22 @@ def build(
         timeline=Timeline.of(sents, samples, backends, plan.duration_s),
         scenario_holds=holds,
         offered=offered or {},
+        requests=[_request_row(s) for s in sents],
     )
+
+
+def _request_row(s: Sent) -> dict[str, Any]:
+    r = s.record
+    return {
+        "sent_at": round(s.planned.at_s, 4),
+        "traffic": s.planned.traffic.label,
+        "outcome": outcome(r),
+        "status": r.status,
+        "ttft_s": r.ttft_s,
+        "e2e_s": r.e2e_s,
+        "output_tokens": r.output_tokens,
+        "attempts": r.attempts,
+        "connect_retries": r.connect_retries,
+        "failure": r.failure,
+        "error": r.error,
+    }

@@ -17,16 +17,18 @@ import signal
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import httpx
 
 from poise.bench.client import SendOptions, client_session, request_body, send
 from poise.bench.workload import Item
 from poise.chaos import report as rep
+from poise.chaos.harness import LocalHarness, RemoteHarness
 from poise.chaos.load import Sent, drive, schedule
 from poise.chaos.redis_server import RedisServer
 from poise.chaos.sampler import Sampler
@@ -67,77 +69,6 @@ def _api_key(scenario: Scenario) -> str | None:
     return secret(INTERACTIVE_KEY) if scenario.keyed else None
 
 
-class LocalHarness:
-    def __init__(self, deployment: LocalDeployment, redis: RedisServer | None) -> None:
-        self.deployment = deployment
-        self.redis = redis
-
-    def _pid(self, index: int) -> int:
-        proc = self.deployment.replicas[index].proc
-        if proc is None or proc.poll() is not None:
-            raise ChaosError(f"replica {index} is not running")
-        return proc.pid
-
-    def signal_replica(self, index: int, sig: signal.Signals) -> None:
-        os.kill(self._pid(index), sig)
-
-    def set_faults(self, index: int, **faults: Any) -> None:
-        _faults(self.deployment.replica_urls[index], faults)
-
-    def clear_faults(self, index: int) -> None:
-        _faults(self.deployment.replica_urls[index], None)
-
-    def signal_gateway(self, sig: signal.Signals) -> None:
-        proc = self.deployment.gateway.proc
-        assert proc is not None
-        os.kill(proc.pid, sig)
-
-    def stop_redis(self) -> None:
-        assert self.redis is not None
-        self.redis.kill()
-
-    def start_redis(self) -> None:
-        assert self.redis is not None
-        self.redis.start()
-
-
-class RemoteHarness:
-    def __init__(self, replica_urls: list[str]) -> None:
-        self.replica_urls = replica_urls
-
-    def _url(self, index: int) -> str:
-        if index >= len(self.replica_urls):
-            raise ChaosError(f"this fault needs replica {index}'s URL: pass --replica URL")
-        return self.replica_urls[index]
-
-    def signal_replica(self, index: int, sig: signal.Signals) -> None:
-        raise ChaosError("signals need a deployment poise chaos started itself")
-
-    def set_faults(self, index: int, **faults: Any) -> None:
-        _faults(self._url(index), faults)
-
-    def clear_faults(self, index: int) -> None:
-        _faults(self._url(index), None)
-
-    def signal_gateway(self, sig: signal.Signals) -> None:
-        raise ChaosError("signals need a deployment poise chaos started itself")
-
-    def stop_redis(self) -> None:
-        raise ChaosError("redis-down needs a deployment poise chaos started itself")
-
-    def start_redis(self) -> None:
-        self.stop_redis()
-
-
-def _faults(url: str, faults: dict[str, Any] | None) -> None:
-    if faults is None:
-        r = httpx.delete(url + "/admin/faults", timeout=10)
-    else:
-        r = httpx.post(url + "/admin/faults", json=faults, timeout=10)
-    if r.status_code != 200:
-        raise ChaosError(f"{url}/admin/faults answered {r.status_code} (is fault injection on?)")
-
-
 @dataclass
 class _Deployed:
     gateway_url: str
@@ -172,58 +103,64 @@ def run_scenario(
         raise ChaosError(f"{scenario.name} needs a deployment poise chaos starts (--model)")
     work = setup.work_dir or Path(tempfile.mkdtemp(prefix="poise-chaos-"))
     work.mkdir(parents=True, exist_ok=True)
-    with contextlib.ExitStack() as stack:
-        if setup.gateway_url is not None:
-            deployed = _Deployed(
-                setup.gateway_url, list(setup.replica_urls), RemoteHarness(list(setup.replica_urls))
-            )
-        else:
-            deployed = stack.enter_context(_local(scenario, setup, work, log))
-        _wait_routable(deployed, len(deployed.replica_urls), _api_key(scenario))
-        return asyncio.run(_measure(scenario, plan, setup, deployed, log))
-    raise AssertionError("unreachable")
+    if setup.gateway_url is not None:
+        urls = list(setup.replica_urls)
+        remote = _Deployed(setup.gateway_url, urls, RemoteHarness(urls))
+        return _run(scenario, plan, setup, remote, log)
+    with _local(scenario, setup, work, log) as local:
+        return _run(scenario, plan, setup, local, log)
+
+
+def _run(
+    scenario: Scenario, plan: Plan, setup: Setup, deployed: _Deployed, log: Callable[[str], None]
+) -> rep.ChaosReport:
+    _wait_routable(deployed, len(deployed.replica_urls), _api_key(scenario))
+    return asyncio.run(_measure(scenario, plan, setup, deployed, log))
 
 
 @contextlib.contextmanager
-def _local(scenario: Scenario, setup: Setup, work: Path, log: Callable[[str], None]):  # type: ignore[no-untyped-def]
+def _local(
+    scenario: Scenario, setup: Setup, work: Path, log: Callable[[str], None]
+) -> Iterator[_Deployed]:
+    """A supervised deployment (and Redis) for the run; everything stopped by pid after."""
     assert setup.model is not None
-    redis = RedisServer(work) if scenario.needs_redis else None
-    if redis is not None:
-        redis.start()
-    deployment = LocalDeployment.create(
-        setup.model,
-        setup.replicas,
-        "127.0.0.1",
-        free_port(),
-        [*SERVE_FLAGS, *scenario.serve_flags],
-        setup.model_name,
-        gateway_settings(scenario, redis.url if redis else None),
-        log_dir=work,
-    )
-    deployed = _Deployed(deployment.url, deployment.replica_urls, LocalHarness(deployment, redis))
-    stop = threading.Event()
+    with contextlib.ExitStack() as stack:
+        redis = stack.enter_context(RedisServer(work)) if scenario.needs_redis else None
+        deployment = LocalDeployment.create(
+            setup.model,
+            setup.replicas,
+            "127.0.0.1",
+            free_port(),
+            [*SERVE_FLAGS, *scenario.serve_flags],
+            setup.model_name,
+            gateway_settings(scenario, redis.url if redis else None),
+            log_dir=work,
+        )
+        deployed = _Deployed(
+            deployment.url, deployment.replica_urls, LocalHarness(deployment, redis)
+        )
+        stop = threading.Event()
 
-    def supervise() -> None:
-        while not stop.wait(0.2):
-            for line in deployment.supervise():
-                deployed.note(line)
+        def supervise() -> None:
+            while not stop.wait(0.2):
+                for line in deployment.supervise():
+                    deployed.note(line)
 
-    log(f"starting {setup.replicas} replicas and a gateway at {deployment.url} (logs: {work})")
-    deployment.start()
-    supervisor = threading.Thread(target=supervise, name="chaos-supervisor", daemon=True)
-    supervisor.start()
-    try:
-        yield deployed
-    finally:
-        stop.set()
-        supervisor.join()
-        for child in deployment.replicas:  # a stopped replica cannot drain
-            if child.proc is not None and child.proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(child.proc.pid, signal.SIGCONT)
-        deployment.stop()
-        if redis is not None:
-            redis.kill()
+        supervisor = threading.Thread(target=supervise, name="chaos-supervisor", daemon=True)
+        log(f"starting {setup.replicas} replicas and a gateway at {deployment.url} (logs: {work})")
+        try:
+            deployment.start()
+            supervisor.start()
+            yield deployed
+        finally:
+            stop.set()
+            if supervisor.is_alive():
+                supervisor.join()
+            for child in deployment.replicas:  # a stopped replica cannot drain
+                if child.proc is not None and child.proc.poll() is None:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(child.proc.pid, signal.SIGCONT)
+            deployment.stop()
 
 
 def _wait_routable(deployed: _Deployed, replicas: int, api_key: str | None) -> None:
@@ -330,8 +267,6 @@ async def _measure(
 
 async def _settle(sampler: Sampler, settle_s: float) -> rep.Leaks:
     """Sample until nothing is held any more, or ``settle_s`` passes; what is still held."""
-    import aiohttp
-
     end = time.perf_counter() + settle_s
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as session:
         while True:

@@ -163,6 +163,11 @@ def run_core(
     send(("ready", engine.limits))
     try:
         loop.run()
+    except BrokenPipeError:
+        # The HTTP process is gone (killed): nobody is left to serve or to tell. Not a crash
+        # of this loop, so no traceback; the exit status still says it did not stop cleanly.
+        log.warning("the HTTP process is gone; the engine core stops")
+        sys.exit(1)
     except BaseException as exc:
         log.exception("engine loop died")
         with contextlib.suppress(OSError):

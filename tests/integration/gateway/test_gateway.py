@@ -97,8 +97,12 @@ def test_a_failing_replica_is_retried_elsewhere(gateway, replicas):
     replicas[0].faults(fail_steps=1000)
     body = {"model": "m", "prompt": "retry me", "max_tokens": 4}
     with httpx.Client(timeout=30) as c:
-        statuses = [c.post(g.url + "/v1/completions", json=body).status_code for _ in range(12)]
-    assert statuses == [200] * 12
+        answers = [c.post(g.url + "/v1/completions", json=body) for _ in range(12)]
+    assert [r.status_code for r in answers] == [200] * 12
+    # Each answer says how many upstream attempts it took (as Envoy's x-envoy-attempt-count):
+    # the ones that met the failing replica first took two.
+    attempts = sorted(int(r.headers["x-poise-attempt-count"]) for r in answers)
+    assert set(attempts) <= {1, 2} and attempts[-1] == 2
     text = httpx.get(g.url + "/metrics").text
     assert "poise_gateway_retries_total" in text
 
