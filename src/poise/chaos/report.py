@@ -9,8 +9,9 @@ client walked away on purpose). Lost and hung must be zero.
 Recovery looks at the steady traffic only, in windows of send time after the fault: a window
 is healthy when every steady request in it completed with a TTFT p99 within the threshold
 (twice the p99 before the fault, and at least 100 ms above it). MTTR is the time from the fault
-to the start of the first run of ``STABLE_WINDOWS`` healthy windows in a row: back, and staying
-back (a lone slow request later is not the same outage). Availability is formula 1,
+to the end of the last unhealthy window after which ``STABLE_WINDOWS`` healthy windows follow
+in a row: back, and staying back (a lone slow request at the very end of the run, with no
+time left to show a recovery, is not counted as the fault's). Availability is formula 1,
 MTBF / (MTBF + MTTR), with the run's unimpaired time as MTBF.
 """
 
@@ -220,21 +221,24 @@ def _windows(sents: list[Sent], plan: Plan) -> list[tuple[float, bool, float | N
 
 
 def recovery_time(sents: list[Sent], plan: Plan, baseline: float | None) -> float | None:
-    """MTTR: the fault to the first of ``STABLE_WINDOWS`` healthy windows; None if never."""
+    """MTTR: the fault to the end of the last unhealthy window that a lasting recovery
+    (``STABLE_WINDOWS`` healthy windows in a row) follows; 0 when there is none but the run
+    was healthy from the fault on; None when it never lastingly recovered."""
     if baseline is None:
         return None
     limit = max(2 * baseline, baseline + 0.1)
-    streak_start, streak = None, 0
-    for start, completed, p99 in _windows(sents, plan):
-        if completed and (p99 is None or p99 <= limit):
-            streak_start = start if streak == 0 else streak_start
-            streak += 1
-            if streak >= STABLE_WINDOWS:
-                assert streak_start is not None
-                return streak_start - plan.fault_at_s
-        else:
-            streak = 0
-    return None
+    healthy = [
+        completed and (p99 is None or p99 <= limit) for _, completed, p99 in _windows(sents, plan)
+    ]
+
+    def stable_from(i: int) -> bool:
+        run = healthy[i : i + STABLE_WINDOWS]
+        return len(run) == STABLE_WINDOWS and all(run)
+
+    last_bad = [i for i, ok in enumerate(healthy) if not ok and stable_from(i + 1)]
+    if last_bad:
+        return (last_bad[-1] + 1) * WINDOW_S
+    return 0.0 if stable_from(0) else None
 
 
 def worst_p99(sents: list[Sent], plan: Plan) -> float | None:
