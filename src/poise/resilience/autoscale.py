@@ -3,10 +3,15 @@
     desired = ceil( α · (λ + Q / T) / μ )
 
 λ is the arrival rate, Q the requests waiting, T the target latency (the backlog must drain
-within it), μ one replica's service rate and α a safety factor. μ is measured, not configured:
-while requests wait (every replica busy), completions per replica per second *is* the service
-rate; while nothing waits, it is only a lower bound, so μ can rise on it but not fall. A prior
-serves until the first measurement.
+within it), μ one replica's service rate and α a safety factor. (Replicas take time to
+start, and a backlog cannot drain before they serve; planning the drain over the start-up time
+instead of T was tried in ``benchmarks/autoscale_sim.py`` and lost attainment in spikes for
+little saving, so the formula stays as it is.)
+
+μ is measured, not configured: while requests wait (every replica busy), completions per
+replica per second *is* the service rate; while nothing waits, throughput is only a floor
+under it. Until the first measurement a prior serves, and without one the size holds: no queue
+means no evidence that more is needed.
 
 The recommendation then goes through what keeps Kubernetes' HPA from flapping: a change within
 ``tolerance`` of the current count is no change; scaling up is immediate, scaling down takes
@@ -70,22 +75,31 @@ class Autoscaler:
         self.config = config
         self.clock = clock
         self.arrival_rate = 0.0
+        self._started = clock()
         self.service_rate: float | None = config.service_rate_prior
         self._measured = False
         self._throughput: float | None = None  # completions per replica per second, smoothed
         self._last: tuple[float, int, int] | None = None  # time, arrivals, completions
+        self._first_reading = 0.0
         self._history: deque[tuple[float, int]] = deque()  # (time, recommendation)
         self._queue = 0.0
         self._replicas = config.min_replicas
         self.desired = config.min_replicas
 
     def observe(
-        self, arrivals_total: int, completed_total: int, waiting: float, replicas: int
+        self,
+        arrivals_total: int,
+        completed_total: int,
+        waiting: float,
+        replicas: int,
+        starting: int = 0,
     ) -> None:
-        """One reading of the counters (monotonic totals) and the backlog, at ``clock()``."""
+        """One reading at ``clock()``: the counters (monotonic totals), the backlog, the
+        replicas serving, and those started but not serving yet (they count towards the size
+        the deployment already has, not towards what it completes)."""
         now = self.clock()
         self._queue = max(0.0, waiting)
-        self._replicas = max(0, replicas)
+        self._replicas = max(0, replicas) + max(0, starting)
         if self._last is not None:
             t0, a0, c0 = self._last
             dt = now - t0
@@ -93,7 +107,10 @@ class Autoscaler:
                 return
             c = self.config
             arrivals, done = max(0, arrivals_total - a0), max(0, completed_total - c0)
-            self.arrival_rate = _blend(self.arrival_rate, arrivals / dt, dt, c.rate_halflife_s)
+            first_rate = self._last[0] == self._first_reading
+            self.arrival_rate = _blend(
+                None if first_rate else self.arrival_rate, arrivals / dt, dt, c.rate_halflife_s
+            )
             if replicas > 0:
                 per_replica = done / dt / replicas
                 self._throughput = _blend(self._throughput, per_replica, dt, c.service_halflife_s)
@@ -104,8 +121,13 @@ class Autoscaler:
                         None if first else self.service_rate, per_replica, dt, c.service_halflife_s
                     )
                     self._measured = True
-                elif self._throughput > (self.service_rate or 0.0):
-                    self.service_rate = self._throughput  # idle capacity: a lower bound
+                elif self._measured and self._throughput > (self.service_rate or 0.0):
+                    # Idle capacity: a floor under what saturation measured. Never a value of
+                    # its own: with replicas half idle, throughput per replica is λ/N, and
+                    # α·λ/(λ/N) = α·N would ask for more replicas for ever.
+                    self.service_rate = self._throughput
+        else:
+            self._first_reading = now
         self._last = (now, arrivals_total, completed_total)
 
     def decide(self) -> Decision:
@@ -115,7 +137,8 @@ class Autoscaler:
         if mu is None or mu <= 0:
             recommended, raw, reason = max(current, c.min_replicas), None, "no service rate yet"
         else:
-            raw = c.safety_factor * (self.arrival_rate + self._queue / c.target_latency_s) / mu
+            drain = self._queue / c.target_latency_s
+            raw = c.safety_factor * (self.arrival_rate + drain) / mu
             recommended = math.ceil(raw - 1e-9)
             reason = "load"
             if current > 0 and abs(raw / current - 1) <= c.tolerance:
@@ -126,8 +149,12 @@ class Autoscaler:
             self._history.popleft()
         desired = recommended
         if recommended < current:
-            # Down only as far as every recommendation of the window allows.
-            desired = min(current, max(r for _, r in self._history))
+            # Down only as far as every recommendation of the window allows, and not before a
+            # whole window has been seen (a scaler that just started knows too little).
+            if now - self._started < c.scale_down_window_s:
+                desired = current
+            else:
+                desired = min(current, max(r for _, r in self._history))
             if desired > recommended:
                 reason = "scale-down window"
         self.desired = desired
