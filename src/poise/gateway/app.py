@@ -22,6 +22,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from poise.asgi import GuardMiddleware
 from poise.gateway.admission import PoolGate
+from poise.gateway.autoscaling import Autoscaling
 from poise.gateway.config import GatewaySettings, KeySettings
 from poise.gateway.debug_state import gateway_state
 from poise.gateway.forward import Forwarder, Timeouts
@@ -33,6 +34,7 @@ from poise.gateway.proxy import Proxy, make_proxy
 from poise.gateway.response_cache import ResponseCache
 from poise.observability.tracing import Tracing, otlp_provider
 from poise.protocol import DEADLINE_HEADER, APIError, deadline_budget_s
+from poise.resilience.autoscale import AutoscaleConfig
 from poise.resilience.ratelimit import Charge, Limit
 from poise.resilience.retry import RetryBudget, RetryPolicy
 from poise.version import __version__
@@ -76,6 +78,21 @@ class Gateway:
         r = settings.retry
         self.budget = RetryBudget(r.budget_ratio, r.budget_min_concurrent)
         self.policy = RetryPolicy(r.max_retries, r.base_s, max(r.cap_s, r.base_s))
+        a = settings.autoscale
+        self.autoscaling = Autoscaling(
+            self,
+            AutoscaleConfig(
+                target_latency_s=a.target_latency_s,
+                safety_factor=a.safety_factor,
+                min_replicas=a.min_replicas,
+                max_replicas=a.max_replicas,
+                scale_down_window_s=a.scale_down_window_s,
+                tolerance=a.tolerance,
+                service_rate_prior=a.service_rate_prior,
+                rate_halflife_s=a.rate_halflife_s,
+            ),
+            a.interval_s,
+        )
         self.client: httpx.AsyncClient | None = None  # health checks
         self.session: aiohttp.ClientSession | None = None  # forwarding: the hot path
         self.forwarder: Forwarder | None = None
@@ -102,11 +119,14 @@ class Gateway:
             tracing=self.tracing,
         )
         return [
-            asyncio.create_task(
-                watch(self.client, b, self.settings.health, self.metrics.probed, self.clock)
-            )
-            for pool in self.pools.values()
-            for b in pool.backends
+            *(
+                asyncio.create_task(
+                    watch(self.client, b, self.settings.health, self.metrics.probed, self.clock)
+                )
+                for pool in self.pools.values()
+                for b in pool.backends
+            ),
+            asyncio.create_task(self.autoscaling.run()),
         ]
 
     async def stop(self) -> None:
@@ -199,6 +219,11 @@ def create_gateway_app(
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(generate_latest(gw.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/autoscale")
+    async def autoscale() -> JSONResponse:
+        # Advice, not a secret: open like /metrics, which carries the same numbers.
+        return JSONResponse(gw.autoscaling.state())
 
     @app.get("/debug/state")
     async def debug_state(request: Request) -> JSONResponse:

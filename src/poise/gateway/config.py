@@ -26,6 +26,8 @@
     admission: {max_inflight_per_backend: 64, max_backend_waiting: 64, max_queue: 512,
                 queue_ttl_s: 30}                # a queue, best priority first, when saturated
     rate_limits: {redis_url: redis://127.0.0.1:6379/0}   # shared by every gateway; optional
+    autoscale: {target_latency_s: 2, safety_factor: 1.2, min_replicas: 1, max_replicas: 8,
+                scale_down_window_s: 120}      # the advice on /autoscale and in /metrics
     log_format: json                    # auto (console on a terminal), json or console
     log_levels: {poise.gateway.health: debug}
     otlp_endpoint: http://127.0.0.1:4318   # traces over OTLP/HTTP; off when unset
@@ -137,6 +139,26 @@ class AdmissionSettings(_Strict):
     queue_ttl_s: float = Field(default=30.0, gt=0)
 
 
+class AutoscaleSettings(_Strict):
+    """Formula 5's knobs: desired = ceil(α (λ + Q / T) / μ), μ measured."""
+
+    target_latency_s: float = Field(default=2.0, gt=0)
+    safety_factor: float = Field(default=1.2, gt=0)
+    min_replicas: int = Field(default=1, ge=1)
+    max_replicas: int = Field(default=8, ge=1)
+    scale_down_window_s: float = Field(default=120.0, ge=0)
+    tolerance: float = Field(default=0.1, ge=0, lt=1)
+    service_rate_prior: float | None = Field(default=None, gt=0)
+    rate_halflife_s: float = Field(default=5.0, ge=0)  # smoothing of the arrival rate
+    interval_s: float = Field(default=1.0, gt=0)
+
+    @model_validator(mode="after")
+    def _bounds(self) -> AutoscaleSettings:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError("autoscale.min_replicas is above autoscale.max_replicas")
+        return self
+
+
 class GatewaySettings(_Strict):
     host: str = "127.0.0.1"
     port: int = Field(default=8080, ge=0, le=65535)
@@ -149,6 +171,7 @@ class GatewaySettings(_Strict):
     health: HealthSettings = HealthSettings()
     admission: AdmissionSettings = AdmissionSettings()
     rate_limits: RateLimitSettings = RateLimitSettings()
+    autoscale: AutoscaleSettings = AutoscaleSettings()
     max_body_bytes: int = Field(default=4 << 20, ge=1024)
     log_level: str = "info"
     log_format: Literal["auto", "json", "console"] = "auto"  # auto: console on a terminal

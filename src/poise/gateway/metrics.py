@@ -221,9 +221,52 @@ class _LiveState(Collector):
             "The most retries ever in flight at once (the retry budget bounds it).",
             value=gw.budget.peak_retries,
         )
+        yield from _autoscale_families(gw)
         if gw.limits.shared is not None:  # only where Redis is configured
             yield GaugeMetricFamily(
                 "poise_gateway_ratelimit_redis_up",
                 "1 while shared (Redis) rate limits answer; 0 while limits are local.",
                 value=float(gw.limits.redis_up),
             )
+
+
+def _autoscale_families(gw: Gateway) -> Iterator[GaugeMetricFamily]:
+    """Formula 5's inputs and output per model, for KEDA, an HPA or a person."""
+    families = {
+        "desired": GaugeMetricFamily(
+            "poise_gateway_desired_replicas",
+            "Replicas the load needs now (formula 5, after tolerance and the scale-down window).",
+            labels=["model"],
+        ),
+        "arrival": GaugeMetricFamily(
+            "poise_gateway_autoscale_arrival_rate",
+            "Requests arriving per second (smoothed), formula 5's lambda.",
+            labels=["model"],
+        ),
+        "service": GaugeMetricFamily(
+            "poise_gateway_autoscale_service_rate",
+            "Requests one replica completes per second, measured while requests wait (mu).",
+            labels=["model"],
+        ),
+        "queue": GaugeMetricFamily(
+            "poise_gateway_autoscale_queue",
+            "Requests waiting: the gateway's queue and the backends' own (Q).",
+            labels=["model"],
+        ),
+        "serving": GaugeMetricFamily(
+            "poise_gateway_autoscale_serving_replicas",
+            "Backends the gateway routes to, as the decision saw them.",
+            labels=["model"],
+        ),
+    }
+    for model, scaling in gw.autoscaling.models.items():
+        d = scaling.decision
+        if d is None:
+            continue
+        families["desired"].add_metric([model], d.desired)
+        families["arrival"].add_metric([model], d.arrival_rate)
+        if d.service_rate is not None:
+            families["service"].add_metric([model], d.service_rate)
+        families["queue"].add_metric([model], d.queue)
+        families["serving"].add_metric([model], d.replicas)
+    yield from families.values()

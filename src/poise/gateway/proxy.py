@@ -131,6 +131,8 @@ def make_proxy(gw: Gateway) -> Proxy:
 def _finish(gw: Gateway, record: RequestRecord, span: trace.Span | None) -> None:
     if record.e2e_s is None and record.outcome == "ok":
         record.e2e_s = time.perf_counter() - record.arrived
+    if record.outcome == "ok" and record.model is not None:
+        gw.autoscaling.completed(record.model)
     gw.metrics.finished(record)
     if span is not None:
         tr.set_attributes(
@@ -190,6 +192,7 @@ async def _handle(
         raise APIError(
             404, f"the model {model!r} does not exist", param="model", code="model_not_found"
         )
+    gw.autoscaling.arrived(model)
     deadline = gw.deadline(request)
     text = prompt_text(data)
     estimate = estimate_tokens(data, text)

@@ -382,3 +382,36 @@ def test_debug_state_shows_breakers_queues_and_budget_behind_the_api_key(gateway
     assert all(b["breaker"] == "closed" and b["healthy"] for b in pool["backends"])
     assert pool["queue"] == {"waiting": 0, "admitted": 0} and not pool["saturated"]
     assert body["retry_budget"]["active_retries"] == 0 and body["rate_limits"]["shared"] is False
+
+
+def test_the_autoscaling_advice_follows_the_load(gateway):
+    """Formula 5 live: about 4 requests/s against a service rate of 1/s per replica asks for
+    the maximum (4); once the load stops, the advice comes down after the window."""
+    g = gateway(
+        autoscale={
+            "service_rate_prior": 1.0,
+            "max_replicas": 4,
+            "scale_down_window_s": 2.0,
+            "interval_s": 0.2,
+            "rate_halflife_s": 1.0,
+        }
+    )
+    body = {"model": "m", "prompt": "scale me", "max_tokens": 2}
+    with httpx.Client(timeout=30) as c:
+        end = time.monotonic() + 4
+        while time.monotonic() < end:
+            assert c.post(g.url + "/v1/completions", json=body).status_code == 200
+            time.sleep(0.2)
+        d = c.get(g.url + "/autoscale").json()["models"]["m"]["decision"]
+        assert d["arrival_rate"] > 2 and d["service_rate"] == 1.0 and d["desired"] == 4
+        assert d["replicas"] == 2 and d["queue"] == 0
+        metrics = c.get(g.url + "/metrics").text
+        assert 'poise_gateway_desired_replicas{model="m"} 4.0' in metrics
+        assert 'poise_gateway_autoscale_serving_replicas{model="m"} 2.0' in metrics
+        end = time.monotonic() + 40
+        while time.monotonic() < end:
+            d = c.get(g.url + "/autoscale").json()["models"]["m"]["decision"]
+            if d["desired"] == 1:
+                break
+            time.sleep(0.5)
+    assert d["desired"] == 1 and d["arrival_rate"] < 0.9
