@@ -72,4 +72,4 @@ def gateways_before(
         for r in replicas:
             if r.proc.poll() is None:
                 os.kill(r.proc.pid, signal.SIGCONT)
-                r.faults(step_delay_s=0, fail_steps=0)
+                r.faults(step_delay_s=0, fail_steps=0, error_status=0)

@@ -142,8 +142,16 @@ def _gateway(args: argparse.Namespace) -> int:
 
 
 def _up(args: argparse.Namespace) -> int:
+    from poise.config import read_config_file
     from poise.launcher import up
 
+    autoscale = None
+    if args.autoscale:
+        low, high = args.min_replicas, args.max_replicas
+        if not 1 <= low <= high:
+            raise SystemExit("error: want 1 <= --min-replicas <= --max-replicas")
+        autoscale = (low, high)
+    extra = read_config_file(args.gateway_config) if args.gateway_config else None
     return up(
         str(args.model),
         args.replicas,
@@ -151,6 +159,8 @@ def _up(args: argparse.Namespace) -> int:
         args.port,
         args.serve_flags.split(),
         args.served_model_name,
+        extra,
+        autoscale,
     )
 
 
@@ -199,6 +209,18 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--port", type=int, default=8000)
     u.add_argument("--served-model-name", default="demo")
     u.add_argument("--serve-flags", default="", help="extra flags for each `poise serve`")
+    u.add_argument(
+        "--gateway-config",
+        type=Path,
+        help="a YAML of gateway settings (keys, limits, timeouts, autoscale) merged in",
+    )
+    u.add_argument(
+        "--autoscale",
+        action="store_true",
+        help="start and drain replicas as the gateway's /autoscale advice moves",
+    )
+    u.add_argument("--min-replicas", type=int, default=1, help="with --autoscale")
+    u.add_argument("--max-replicas", type=int, default=4, help="with --autoscale")
     u.set_defaults(func=_up)
 
     from poise.bench.command import add_parser as add_bench  # light: no engine, no torch

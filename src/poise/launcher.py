@@ -63,6 +63,7 @@ class Child:
     backoff_s: float = RESTART_BASE_S
     env: dict[str, str] | None = None  # None: this process's environment
     log_path: Path | None = None  # None: output to this process's
+    wanted: bool = True  # False: scaled down; not started, not started again
 
     def start(self) -> None:
         if self.log_path is None:
@@ -187,16 +188,43 @@ class LocalDeployment:
     def replica_urls(self) -> list[str]:
         return [f"http://127.0.0.1:{p}" for p in self.replica_ports]
 
-    def start(self) -> None:
-        for child in self.replicas:
-            child.start()
+    def start(self, replicas: int | None = None) -> None:
+        """The gateway and the first ``replicas`` replicas (all by default)."""
+        for i, child in enumerate(self.replicas):
+            child.wanted = replicas is None or i < replicas
+            if child.wanted:
+                child.start()
         self.gateway.start()
+
+    def running(self) -> list[Child]:
+        return [c for c in self.replicas if c.wanted]
+
+    def scale_to(self, n: int) -> list[str]:
+        """Start replicas, or drain the newest (SIGTERM: they finish what they hold)."""
+        said = []
+        wanted = self.running()
+        for child in self.replicas:
+            if len(wanted) >= n:
+                break
+            if not child.wanted and (child.proc is None or child.proc.poll() is not None):
+                child.wanted, child.backoff_s, child.next_start = True, RESTART_BASE_S, 0.0
+                child.start()
+                wanted.append(child)
+                said.append(f"{child.name} started (scale up to {n})")
+        for child in reversed(wanted[n:]):
+            child.wanted = False
+            if child.proc is not None and child.proc.poll() is None:
+                child.proc.send_signal(signal.SIGTERM)
+            said.append(f"{child.name} draining (scale down to {n})")
+        return said
 
     def supervise(self) -> list[str]:
         """Start again whatever exited, after its backoff; what happened, as lines to print."""
         said = []
         now = time.monotonic()
         for child in [*self.replicas, self.gateway]:
+            if not child.wanted:
+                continue  # scaled down: left to drain and exit
             assert child.proc is not None
             if child.proc.poll() is None:
                 if now - child.started_at > STABLE_AFTER_S:
@@ -229,8 +257,22 @@ def up(
     port: int,
     serve_flags: list[str],
     model_name: str = "demo",
+    gateway_settings: dict[str, Any] | None = None,
+    autoscale: tuple[int, int] | None = None,
 ) -> int:
-    deployment = LocalDeployment.create(model, replicas, host, port, serve_flags, model_name)
+    """``autoscale``: (min, max) replicas, moved by the gateway's advice on ``/autoscale``."""
+    settings = dict(gateway_settings or {})
+    if autoscale is not None:
+        low, high = autoscale
+        settings["autoscale"] = {
+            **settings.get("autoscale", {}),
+            "min_replicas": low,
+            "max_replicas": high,
+        }
+        replicas = high  # ports for all of them; only ``low`` start
+    deployment = LocalDeployment.create(
+        model, replicas, host, port, serve_flags, model_name, settings
+    )
     stopping = False
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
@@ -239,15 +281,16 @@ def up(
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    deployment.start()
+    deployment.start(None if autoscale is None else autoscale[0])
     url = deployment.url
+    scaling = "" if autoscale is None else f", autoscaled between {autoscale[0]} and {replicas}"
     print(
-        f"poise up: starting a gateway at {url} in front of {replicas} replica(s) "
-        f"on ports {', '.join(map(str, deployment.replica_ports))}; "
-        f"config {deployment.config_path} (Ctrl-C stops all)",
+        f"poise up: starting a gateway at {url} in front of {len(deployment.running())} "
+        f"replica(s){scaling}; config {deployment.config_path} (Ctrl-C stops all)",
         flush=True,
     )
     announced = False
+    next_scale = 0.0
     try:
         while not stopping:
             if not announced and answers_ok(url + "/ready"):
@@ -259,9 +302,25 @@ def up(
                     f'"max_tokens": 32}}\'',
                     flush=True,
                 )
-            for line in deployment.supervise():
+            lines = deployment.supervise()
+            if autoscale is not None and announced and time.monotonic() >= next_scale:
+                next_scale = time.monotonic() + 1.0
+                desired = advised_replicas(url, model_name)
+                if desired is not None:
+                    lines += deployment.scale_to(desired)
+            for line in lines:
                 print(f"poise up: {line}", flush=True)
             time.sleep(0.2)
     finally:
         deployment.stop()
     return 0
+
+
+def advised_replicas(gateway_url: str, model: str) -> int | None:
+    """The gateway's autoscaling advice for ``model``; None when it has none (or is down)."""
+    try:
+        state = httpx.get(gateway_url + "/autoscale", timeout=2.0).json()
+        decision = state["models"][model]["decision"]
+    except (httpx.HTTPError, ValueError, KeyError, TypeError):
+        return None
+    return None if decision is None else int(decision["desired"])

@@ -238,6 +238,41 @@ def test_redis_killed_mid_run_the_gateway_serves_on_local_limits(gateway, tmp_pa
         assert after == [200] * 3 and metric(g, "poise_gateway_ratelimit_redis_up") == 1
 
 
+def test_an_ejection_by_one_gateway_is_avoided_by_every_gateway(gateway, pair, tmp_path):
+    """Two gateways share breaker and ejection verdicts through Redis: a replica that fails
+    under one gateway's traffic is avoided by the other within one health interval, though
+    the other has sent it nothing. Without Redis, each would learn it alone, by failing."""
+    with RedisServer(tmp_path) as redis_server:
+        shared = {"redis_url": redis_server.url}
+        ejection = {"consecutive_failures": 2, "base_s": 30, "jitter_s": 0}
+        a = gateway(rate_limits=shared, ejection=ejection)
+        b = gateway(rate_limits=shared, ejection=ejection)
+        pair[0].faults(error_status=500)
+        try:
+            # Only a sees traffic; replica 0's 500s are retried on replica 1 and eject it.
+            assert [post(a, SMALL)[0] for _ in range(20)] == [200] * 20
+            assert pair[0].url not in eligible(a)
+            interval = FAST_HEALTH["interval_s"]
+            end = time.monotonic() + 2 * interval + 0.5
+            while pair[0].url in eligible(b) and time.monotonic() < end:
+                time.sleep(0.05)
+            assert pair[0].url not in eligible(b), b.log()
+            # ... on a's verdict: b itself never had a failed attempt on it.
+            assert metric(b, "poise_gateway_remote_verdicts_total") >= 1
+            assert metric(b, "poise_gateway_upstream_attempts_total", outcome="error") == 0
+            # Through b now, every request goes straight to replica 1: no failed attempt.
+            answers = [post(b, SMALL) for _ in range(6)]
+            assert [s for s, _, _ in answers] == [200] * 6
+            assert {h["x-poise-attempt-count"] for _, _, h in answers} == {"1"}
+        finally:
+            pair[0].faults(error_status=0)
+
+
+def eligible(g: GatewayProcess) -> list[str]:
+    state = httpx.get(g.url + "/debug/state", timeout=5).json()
+    return state["models"]["m"]["eligible"]
+
+
 def test_cached_answer_is_the_last_fallback_and_says_so(gateway, pair):
     g = gateway(
         models={"m": {"backends": [{"url": p.url} for p in pair], "cache_fallback": {}}},

@@ -97,9 +97,9 @@ def plot_timeline(report: ChaosReport, prefix: Path) -> Path:
                          xycoords=("data", "axes fraction"), color="#d62728", ha="right",
                          va="bottom", fontsize=9)  # fmt: skip
     if report.mttr_s:
-        axes[0].annotate("recovered", (fault + report.mttr_s, 1.0),
+        axes[0].annotate("recovered", (fault + report.mttr_s, 0.97),
                          xycoords=("data", "axes fraction"), color="#2ca02c", ha="left",
-                         va="bottom", fontsize=9)  # fmt: skip
+                         va="top", fontsize=9, backgroundcolor="white")  # fmt: skip
     axes[-1].set_xlim(0, max(plan["duration_s"], tl.sample_t[-1] if tl.sample_t else 0))
     path = prefix.parent / f"{prefix.name}-{report.scenario}.png"
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -18,6 +18,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from opentelemetry.sdk.trace import TracerProvider
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from redis.asyncio import Redis
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from poise.asgi import GuardMiddleware
@@ -32,6 +33,7 @@ from poise.gateway.metrics import GatewayMetrics
 from poise.gateway.pool import Pool
 from poise.gateway.proxy import Proxy, make_proxy
 from poise.gateway.response_cache import ResponseCache
+from poise.gateway.shared_verdicts import SharedVerdicts
 from poise.observability.tracing import Tracing, otlp_provider
 from poise.protocol import DEADLINE_HEADER, APIError, deadline_budget_s
 from poise.resilience.autoscale import AutoscaleConfig
@@ -93,6 +95,22 @@ class Gateway:
             ),
             a.interval_s,
         )
+        self.shared: SharedVerdicts | None = None
+        rl = settings.rate_limits
+        if rl.redis_url is not None:
+            self.shared = SharedVerdicts(
+                Redis.from_url(
+                    rl.redis_url,
+                    socket_timeout=rl.redis_timeout_s,
+                    socket_connect_timeout=rl.redis_timeout_s,
+                ),
+                self.pools,
+                settings.health.interval_s,
+                self.clock,
+                prefix=rl.key_prefix + "verdicts:",
+                on_error=self.metrics.shared_errors.inc,
+                on_applied=self.metrics.remote_verdicts.inc,
+            )
         self.client: httpx.AsyncClient | None = None  # health checks
         self.session: aiohttp.ClientSession | None = None  # forwarding: the hot path
         self.forwarder: Forwarder | None = None
@@ -127,6 +145,7 @@ class Gateway:
                 for b in pool.backends
             ),
             asyncio.create_task(self.autoscaling.run()),
+            *([] if self.shared is None else [asyncio.create_task(self.shared.run())]),
         ]
 
     async def stop(self) -> None:
@@ -135,6 +154,8 @@ class Gateway:
         if self.session is not None:
             await self.session.close()
         await self.limits.aclose()
+        if self.shared is not None:
+            await self.shared.redis.aclose()
         self.tracing.shutdown()
 
     # ----- one request -----

@@ -107,6 +107,16 @@ class GatewayMetrics:
             ["backend", "result"],
             registry=r,
         )
+        self.shared_errors = Counter(
+            "poise_gateway_shared_verdict_errors",
+            "Rounds of sharing breaker/ejection verdicts through Redis that failed.",
+            registry=r,
+        )
+        self.remote_verdicts = Counter(
+            "poise_gateway_remote_verdicts",
+            "Backends taken out of rotation on another gateway's verdict.",
+            registry=r,
+        )
         self.limits_fallback = Counter(
             "poise_gateway_ratelimit_fallbacks",
             "Rate-limit checks that found Redis unreachable and fell back to local limits.",

@@ -72,6 +72,7 @@ class Pool:
                     lambda _a, to, be=backend: on_breaker_change(be, to)  # type: ignore[misc]
                 )
             self.backends.append(backend)
+        self._remote_out: dict[str, float] = {}  # url -> clock time: another gateway's verdict
         self.outliers = OutlierDetector(
             [be.url for be in self.backends],
             EjectionConfig(**settings.ejection.model_dump()),
@@ -87,7 +88,29 @@ class Pool:
             and b.healthy
             and not self.outliers.is_ejected(b.url)
             and b.breaker.allows()
+            and not self.out_remotely(b.url)
         ]
+
+    def out_remotely(self, url: str) -> bool:
+        until = self._remote_out.get(url)
+        if until is None:
+            return False
+        if self.clock() >= until:
+            del self._remote_out[url]
+            return False
+        return True
+
+    def remote_out(self, url: str, until: float) -> bool:
+        """Another gateway's verdict: ``url`` is out until ``until`` (this clock). Returns
+        True when it newly takes the backend out here; never the last backend standing."""
+        backend = next((b for b in self.backends if b.url == url), None)
+        if backend is None or until <= self.clock():
+            return False
+        known = self.out_remotely(url)
+        if not known and backend in self.eligible() and len(self.eligible()) <= 1:
+            return False
+        self._remote_out[url] = max(until, self._remote_out.get(url, 0.0))
+        return not known
 
     def score(self, b: Backend) -> float:
         load = b.load

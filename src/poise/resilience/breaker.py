@@ -78,6 +78,12 @@ class CircuitBreaker:
             self._move(BreakerState.HALF_OPEN)
         return self._state
 
+    def open_for(self) -> float:
+        """Seconds until an OPEN breaker lets probes through; 0 when it is not open."""
+        if self.state is not BreakerState.OPEN:
+            return 0.0
+        return max(0.0, self._opened_at + self.config.open_s - self.clock())
+
     def allows(self) -> bool:
         """Could a call go now? Does not take a half-open permit (for routing decisions)."""
         state = self.state

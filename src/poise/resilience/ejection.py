@@ -68,6 +68,13 @@ class OutlierDetector:
             return False
         return True
 
+    def ejected_for(self, backend: str) -> float | None:
+        """Seconds this backend stays ejected; None when it is not."""
+        if not self.is_ejected(backend):
+            return None
+        until = self._hosts[backend].ejected_until
+        return None if until is None else until - self.clock()
+
     @property
     def ejected(self) -> list[str]:
         return [b for b in self._hosts if self.is_ejected(b)]
