@@ -26,11 +26,12 @@ from poise.gateway.admission import PoolGate
 from poise.gateway.autoscaling import Autoscaling
 from poise.gateway.config import GatewaySettings, KeySettings
 from poise.gateway.debug_state import gateway_state
+from poise.gateway.discovery import DnsBackends, Resolver, resolve
 from poise.gateway.forward import Forwarder, Timeouts
 from poise.gateway.health import watch
 from poise.gateway.limits import GatewayLimits
 from poise.gateway.metrics import GatewayMetrics
-from poise.gateway.pool import Pool
+from poise.gateway.pool import Backend, Pool
 from poise.gateway.proxy import Proxy, make_proxy
 from poise.gateway.response_cache import ResponseCache
 from poise.gateway.shared_verdicts import SharedVerdicts
@@ -50,8 +51,10 @@ class Gateway:
         settings: GatewaySettings,
         registry: CollectorRegistry | None = None,
         tracer_provider: TracerProvider | None = None,
+        resolver: Resolver = resolve,
     ) -> None:
         self.settings = settings
+        self.resolver = resolver
         self.clock = time.monotonic
         self.metrics = GatewayMetrics(self, registry)
         self.tracing = Tracing(
@@ -111,6 +114,7 @@ class Gateway:
                 on_error=self.metrics.shared_errors.inc,
                 on_applied=self.metrics.remote_verdicts.inc,
             )
+        self._watchers: dict[Backend, asyncio.Task[None]] = {}  # health checks, per backend
         self.client: httpx.AsyncClient | None = None  # health checks
         self.session: aiohttp.ClientSession | None = None  # forwarding: the hot path
         self.forwarder: Forwarder | None = None
@@ -136,19 +140,38 @@ class Gateway:
             on_budget_exhausted=self.metrics.retry_budget_exhausted,
             tracing=self.tracing,
         )
+        for pool in self.pools.values():
+            for b in pool.backends:
+                self._watch(b)
+        discovered = [
+            DnsBackends(pool, bs, self._watch, self._unwatch, self.resolver)
+            for name, pool in self.pools.items()
+            for bs in self.settings.models[name].backends
+            if bs.discovery == "dns"
+        ]
+        for d in discovered:
+            await d.refresh()  # the first answer before serving, not a beat later
         return [
-            *(
-                asyncio.create_task(
-                    watch(self.client, b, self.settings.health, self.metrics.probed, self.clock)
-                )
-                for pool in self.pools.values()
-                for b in pool.backends
-            ),
+            *(asyncio.create_task(d.run()) for d in discovered),
             asyncio.create_task(self.autoscaling.run()),
             *([] if self.shared is None else [asyncio.create_task(self.shared.run())]),
         ]
 
+    def _watch(self, backend: Backend) -> None:
+        assert self.client is not None
+        self._watchers[backend] = asyncio.create_task(
+            watch(self.client, backend, self.settings.health, self.metrics.probed, self.clock)
+        )
+
+    def _unwatch(self, backend: Backend) -> None:
+        task = self._watchers.pop(backend, None)
+        if task is not None:
+            task.cancel()
+
     async def stop(self) -> None:
+        for task in self._watchers.values():
+            task.cancel()
+        await asyncio.gather(*self._watchers.values(), return_exceptions=True)
         if self.client is not None:
             await self.client.aclose()
         if self.session is not None:
@@ -195,8 +218,9 @@ def create_gateway_app(
     settings: GatewaySettings,
     registry: CollectorRegistry | None = None,
     tracer_provider: TracerProvider | None = None,
+    resolver: Resolver = resolve,
 ) -> ASGIApp:
-    gw = Gateway(settings, registry, tracer_provider)
+    gw = Gateway(settings, registry, tracer_provider, resolver)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

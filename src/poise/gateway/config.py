@@ -4,6 +4,9 @@
       demo:
         backends:
           - url: http://127.0.0.1:8001
+          - url: http://poise-replicas.default.svc:8000
+            discovery: dns              # every address the name resolves to, re-resolved
+            dns_refresh_s: 5
           - url: http://127.0.0.1:8002
             weight: 2
             api_key: secret-of-that-backend
@@ -54,6 +57,10 @@ class BackendSettings(_Strict):
     weight: float = Field(default=1.0, gt=0)
     api_key: str | None = None
     model: str | None = None  # the name this backend serves the model under, when different
+    # "dns": the URL's host names a set of backends, one per address it resolves to (as
+    # Envoy's STRICT_DNS; a Kubernetes headless Service), resolved again every dns_refresh_s.
+    discovery: Literal["static", "dns"] = "static"
+    dns_refresh_s: float = Field(default=5.0, gt=0)
 
     @property
     def base(self) -> str:

@@ -44,6 +44,8 @@ class Backend:
     health_streak: int = 0  # consecutive probe results in the direction of a change
     checked: bool = False  # an active check has given a verdict (the first one counts at once)
     load: ReportedLoad = field(default_factory=ReportedLoad)
+    source: str | None = None  # the DNS name it was discovered from; None: listed
+    retired: bool = False  # no longer discovered: out of routing, gone once idle
 
     @property
     def url(self) -> str:
@@ -63,28 +65,51 @@ class Pool:
         self.clock = clock
         self.rng = rng or random.Random()
         self.stale_after_s = 3 * settings.health.interval_s + settings.health.timeout_s
-        breaker_config = BreakerConfig(**settings.breaker.model_dump())
-        self.backends: list[Backend] = []
-        for bs in settings.models[model].backends:
-            backend = Backend(model, bs, CircuitBreaker(breaker_config, clock))
-            if on_breaker_change is not None:
-                backend.breaker.on_change = (
-                    lambda _a, to, be=backend: on_breaker_change(be, to)  # type: ignore[misc]
-                )
-            self.backends.append(backend)
+        self._breaker_config = BreakerConfig(**settings.breaker.model_dump())
+        self._on_breaker_change = on_breaker_change
         self._remote_out: dict[str, float] = {}  # url -> clock time: another gateway's verdict
         self.outliers = OutlierDetector(
-            [be.url for be in self.backends],
-            EjectionConfig(**settings.ejection.model_dump()),
-            clock,
-            self.rng,
+            [], EjectionConfig(**settings.ejection.model_dump()), clock, self.rng
         )
+        self.backends: list[Backend] = []
+        for bs in settings.models[model].backends:
+            if bs.discovery == "static":
+                self.add(bs)
+
+    def add(self, settings: BackendSettings, source: str | None = None) -> Backend:
+        """A backend joins. One discovered later starts unchecked but not trusted: out of
+        routing until its first health check passes."""
+        backend = Backend(
+            self.model, settings, CircuitBreaker(self._breaker_config, self.clock), source=source
+        )
+        if source is not None:
+            backend.healthy = False
+        if self._on_breaker_change is not None:
+            on_change = self._on_breaker_change
+            backend.breaker.on_change = lambda _a, to: on_change(backend, to)
+        self.backends.append(backend)
+        self.outliers.add(backend.url)
+        return backend
+
+    def retire(self, backend: Backend) -> None:
+        """No longer discovered: no new attempts; what it holds finishes (see ``sweep``)."""
+        backend.retired = True
+
+    def sweep(self) -> list[Backend]:
+        """Drop retired backends that hold nothing any more; the ones dropped."""
+        gone = [b for b in self.backends if b.retired and b.inflight == 0]
+        for b in gone:
+            self.backends.remove(b)
+            self.outliers.remove(b.url)
+            self._remote_out.pop(b.url, None)
+        return gone
 
     def eligible(self, exclude: frozenset[Backend] = frozenset()) -> list[Backend]:
         return [
             b
             for b in self.backends
             if b not in exclude
+            and not b.retired
             and b.healthy
             and not self.outliers.is_ejected(b.url)
             and b.breaker.allows()

@@ -53,9 +53,14 @@ class OutlierDetector:
         self.clock = clock
         self.rng = rng or random.Random()
         self._hosts = {b: _Host() for b in backends}
-        if not self._hosts:
-            raise ValueError("a pool needs at least one backend")
         self.ejections_total = 0
+
+    def add(self, backend: str) -> None:
+        """A backend discovered later (DNS): it starts with a clean record."""
+        self._hosts.setdefault(backend, _Host())
+
+    def remove(self, backend: str) -> None:
+        self._hosts.pop(backend, None)
 
     def is_ejected(self, backend: str) -> bool:
         host = self._hosts[backend]
