@@ -284,9 +284,12 @@ def up(
     deployment.start(None if autoscale is None else autoscale[0])
     url = deployment.url
     scaling = "" if autoscale is None else f", autoscaled between {autoscale[0]} and {replicas}"
+    ports = ", ".join(str(p) for c, p in zip(deployment.replicas, deployment.replica_ports,
+                                                strict=True) if c.wanted)  # fmt: skip
     print(
         f"poise up: starting a gateway at {url} in front of {len(deployment.running())} "
-        f"replica(s){scaling}; config {deployment.config_path} (Ctrl-C stops all)",
+        f"replica(s) on ports {ports}{scaling}; config {deployment.config_path} "
+        "(Ctrl-C stops all)",
         flush=True,
     )
     announced = False
