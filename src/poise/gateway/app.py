@@ -85,18 +85,7 @@ class Gateway:
         self.policy = RetryPolicy(r.max_retries, r.base_s, max(r.cap_s, r.base_s))
         a = settings.autoscale
         self.autoscaling = Autoscaling(
-            self,
-            AutoscaleConfig(
-                target_latency_s=a.target_latency_s,
-                safety_factor=a.safety_factor,
-                min_replicas=a.min_replicas,
-                max_replicas=a.max_replicas,
-                scale_down_window_s=a.scale_down_window_s,
-                tolerance=a.tolerance,
-                service_rate_prior=a.service_rate_prior,
-                rate_halflife_s=a.rate_halflife_s,
-            ),
-            a.interval_s,
+            self, AutoscaleConfig(**a.model_dump(exclude={"interval_s"})), a.interval_s
         )
         self.shared: SharedVerdicts | None = None
         rl = settings.rate_limits
