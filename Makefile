@@ -22,10 +22,11 @@ $(VENV)/.installed-test: $(VENV)/.installed pyproject.toml
 	$(PY) -m pip install -q -e '.[test]'
 	touch $@
 
-$(DEMO)/config.json: | $(VENV)/.installed
-	$(VENV)/bin/poise make-model $(DEMO) --size small
+# The demo model is trained here once (about 3 minutes on the CPU), then reused.
+$(DEMO)/training.json: | $(VENV)/.installed
+	$(VENV)/bin/poise make-model $(DEMO) --train
 
-run: $(VENV)/.installed $(DEMO)/config.json
+run: $(VENV)/.installed $(DEMO)/training.json
 	$(VENV)/bin/poise up --model $(DEMO) --replicas 2 --host $(HOST) --port $(PORT)
 
 lint: $(VENV)/.installed-test

@@ -19,8 +19,23 @@ def _make_model(args: argparse.Namespace) -> int:
     from poise.modelgen.make_model import make_model
 
     t0 = time.perf_counter()
-    out = make_model(args.dir, arch=args.arch, size=args.size, seed=args.seed, shards=args.shards)
-    print(f"wrote {args.size} {args.arch} model to {out} in {time.perf_counter() - t0:.1f}s")
+    if args.train:
+        from poise.modelgen.make_model import SIZES
+        from poise.modelgen.train import TrainSettings, train_model
+
+        if args.arch != "llama":
+            raise SystemExit("error: --train makes a llama model")
+        size = SIZES[args.size or "demo"]
+        record = train_model(args.dir, TrainSettings(minutes=args.minutes, seed=args.seed), size)
+        print(
+            f"trained a {record['parameters'] / 1e6:.1f}M-parameter llama on "
+            f"{record['tokens']} tokens of Python's documentation: {record['steps']} steps in "
+            f"{record['train_seconds']:.0f}s, loss {record['final_loss']:.2f}; wrote {args.dir}"
+        )
+        return 0
+    size_name = args.size or "tiny"
+    out = make_model(args.dir, arch=args.arch, size=size_name, seed=args.seed, shards=args.shards)
+    print(f"wrote {size_name} {args.arch} model to {out} in {time.perf_counter() - t0:.1f}s")
     return 0
 
 
@@ -171,10 +186,22 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"poise {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    mm = sub.add_parser("make-model", help="write a Hugging Face-format model with random weights")
+    mm = sub.add_parser(
+        "make-model", help="write a Hugging Face-format model: random weights, or --train"
+    )
     mm.add_argument("dir", type=Path)
     mm.add_argument("--arch", choices=["llama", "qwen2", "mistral"], default="llama")
-    mm.add_argument("--size", choices=["tiny", "small", "w0"], default="tiny")
+    mm.add_argument(
+        "--size",
+        choices=["tiny", "small", "w0", "demo"],
+        help="tiny by default; demo (about 5M parameters) with --train",
+    )
+    mm.add_argument(
+        "--train",
+        action="store_true",
+        help="train it on Python's own documentation (pydoc_data), on the CPU",
+    )
+    mm.add_argument("--minutes", type=float, default=3.0, help="with --train: the time budget")
     mm.add_argument("--seed", type=int, default=0)
     mm.add_argument("--shards", type=int, default=1, help="split the weights into N files")
     mm.set_defaults(func=_make_model)

@@ -47,6 +47,8 @@ SIZES = {
     "tiny": ModelSize(hidden=64, layers=2, heads=4, kv_heads=2, ffn=128, vocab=1024),
     "small": ModelSize(hidden=256, layers=4, heads=8, kv_heads=4, ffn=768, vocab=8192),
     "w0": ModelSize(hidden=512, layers=8, heads=8, kv_heads=4, ffn=1536, vocab=32000),
+    # The trained demo (``--train``): a few million parameters, a vocabulary of a few thousand.
+    "demo": ModelSize(hidden=256, layers=4, heads=8, kv_heads=4, ffn=768, vocab=4096),
 }
 
 
