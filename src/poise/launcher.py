@@ -301,8 +301,8 @@ def up(
                 print(
                     f"poise up: ready at {url}. Try:\n"
                     f"  curl {url}/v1/completions -H 'Content-Type: application/json' \\\n"
-                    f'    -d \'{{"model": "{model_name}", "prompt": "The for statement", '
-                    f'"max_tokens": 32}}\'',
+                    f'    -d \'{{"model": "{model_name}", "prompt": "The \\"for\\" statement", '
+                    f'"max_tokens": 32, "temperature": 0}}\'',
                     flush=True,
                 )
             lines = deployment.supervise()

