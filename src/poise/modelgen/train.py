@@ -9,7 +9,8 @@ The model is written out here, in plain PyTorch, with Hugging Face Llama's param
 and rotary convention, so the saved directory loads unchanged in poise and in transformers.
 Training: next-token cross-entropy on random windows of the token stream, AdamW, a warm-up
 then cosine decay paced by the time budget (not a step count, so the run ends on time), and
-bfloat16 autocast. One fixed seed makes the data order and initial weights reproducible.
+bfloat16 autocast. One fixed seed makes the data order and initial weights reproducible; the
+number of steps is whatever the time budget allows, so a faster machine trains further.
 """
 
 from __future__ import annotations
