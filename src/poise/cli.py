@@ -194,7 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
     mm.add_argument(
         "--size",
         choices=["tiny", "small", "w0", "demo"],
-        help="tiny by default; demo (about 5M parameters) with --train",
+        help="tiny by default; demo (3.2M parameters) with --train",
     )
     mm.add_argument(
         "--train",

@@ -58,6 +58,11 @@ class SendOptions:
 DEFAULT_OPTIONS = SendOptions()
 
 
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    """``Authorization: Bearer`` for a key, nothing without one."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
 def client_session() -> aiohttp.ClientSession:
     """A session without a pool limit or a timeout of its own: ``send`` times each request."""
     return aiohttp.ClientSession(

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from poise.bench.client import SendOptions, client_session, request_body, send
+from poise.bench.client import SendOptions, auth_headers, client_session, request_body, send
 from poise.bench.report import Record, Summary
 from poise.bench.workload import Item
 
@@ -32,7 +32,7 @@ class Target:
 
     @property
     def headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        return auth_headers(self.api_key)
 
 
 class Progress:

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from poise.bench.client import SendOptions, client_session, request_body, send
+from poise.bench.client import SendOptions, auth_headers, client_session, request_body, send
 from poise.bench.report import Record
 from poise.bench.workload import Item, synthetic
 from poise.chaos.scenarios import Traffic
@@ -73,9 +73,8 @@ async def drive(
     async with client_session() as session:
 
         async def one(p: Planned) -> Sent:
-            headers = {DEADLINE_HEADER: str(int(deadline_s * 1000))}
-            if p.traffic.key is not None:
-                headers["Authorization"] = f"Bearer {keys[p.traffic.key]}"
+            key = None if p.traffic.key is None else keys[p.traffic.key]
+            headers = {DEADLINE_HEADER: str(int(deadline_s * 1000)), **auth_headers(key)}
             options = SendOptions(
                 timeout_s=deadline_s + grace_s,
                 retry_connect=True,

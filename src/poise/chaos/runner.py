@@ -25,7 +25,7 @@ from typing import Any
 import aiohttp
 import httpx
 
-from poise.bench.client import SendOptions, client_session, request_body, send
+from poise.bench.client import SendOptions, auth_headers, client_session, request_body, send
 from poise.bench.workload import Item
 from poise.chaos import report as rep
 from poise.chaos.harness import LocalHarness, RemoteHarness
@@ -165,7 +165,7 @@ def _local(
 
 def _wait_routable(deployed: _Deployed, replicas: int, api_key: str | None) -> None:
     """Until the gateway routes to every replica (or to something, remote without URLs)."""
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    headers = auth_headers(api_key)
     end = time.monotonic() + 180
     while time.monotonic() < end:
         try:
@@ -182,9 +182,9 @@ def _wait_routable(deployed: _Deployed, replicas: int, api_key: str | None) -> N
     raise ChaosError(f"the gateway at {deployed.gateway_url} did not route to every replica")
 
 
-async def _warm(url: str, model: str, keys: dict[str, str]) -> None:
+async def _warm(url: str, model: str, api_key: str | None) -> None:
     """A few requests first: the run's baseline should not include a cold start."""
-    headers = {"Authorization": f"Bearer {next(iter(keys.values()))}"} if keys else {}
+    headers = auth_headers(api_key)
     async with client_session() as session:
         for i in range(4):
             body = request_body(model, Item(f"warm up {i}", 8), chat=False, ignore_eos=True)
@@ -196,7 +196,7 @@ async def _measure(
     scenario: Scenario, plan: Plan, setup: Setup, deployed: _Deployed, log: Callable[[str], None]
 ) -> rep.ChaosReport:
     keys = {name: secret(name) for name in KEYS} if scenario.keyed else {}
-    await _warm(deployed.gateway_url, setup.model_name, keys)
+    await _warm(deployed.gateway_url, setup.model_name, _api_key(scenario))
     traffic = [plan.steady(INTERACTIVE_KEY if scenario.keyed else None), *scenario.extra(plan)]
     planned = schedule(traffic, random.Random(setup.seed))
     t0 = deployed.t0 = time.perf_counter()
@@ -260,7 +260,7 @@ async def _measure(
         leaks,
         deployed.events,
         deployed.replica_urls,
-        holds=scenario.recover is not None or bool(scenario.extra(plan)),
+        holds=scenario.recover is not None or len(traffic) > 1,
         offered={t.label: t.rate for t in traffic},
     )
 

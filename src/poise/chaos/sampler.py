@@ -17,6 +17,8 @@ from typing import Any
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
+from poise.bench.client import auth_headers
+
 MIGRATIONS = "poise_gateway_stream_migrations"
 
 
@@ -86,7 +88,7 @@ class Sampler:
     ) -> None:
         self.gateway_url = gateway_url.rstrip("/")
         # A gateway with keys protects /debug/state as it protects the API.
-        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.headers = auth_headers(api_key)
         self.replica_urls = [u.rstrip("/") for u in replica_urls]
         self.t0 = t0
         self.period_s = period_s

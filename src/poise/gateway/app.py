@@ -18,7 +18,6 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from opentelemetry.sdk.trace import TracerProvider
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from redis.asyncio import Redis
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from poise.asgi import GuardMiddleware
@@ -88,18 +87,13 @@ class Gateway:
             self, AutoscaleConfig(**a.model_dump(exclude={"interval_s"})), a.interval_s
         )
         self.shared: SharedVerdicts | None = None
-        rl = settings.rate_limits
-        if rl.redis_url is not None:
+        if self.limits.client is not None:
             self.shared = SharedVerdicts(
-                Redis.from_url(
-                    rl.redis_url,
-                    socket_timeout=rl.redis_timeout_s,
-                    socket_connect_timeout=rl.redis_timeout_s,
-                ),
+                self.limits.client,
                 self.pools,
                 settings.health.interval_s,
                 self.clock,
-                prefix=rl.key_prefix + "verdicts:",
+                prefix=settings.rate_limits.key_prefix + "verdicts:",
                 on_error=self.metrics.shared_errors.inc,
                 on_applied=self.metrics.remote_verdicts.inc,
             )
@@ -165,9 +159,7 @@ class Gateway:
             await self.client.aclose()
         if self.session is not None:
             await self.session.close()
-        await self.limits.aclose()
-        if self.shared is not None:
-            await self.shared.redis.aclose()
+        await self.limits.aclose()  # the Redis client too, shared verdicts' included
         self.tracing.shutdown()
 
     # ----- one request -----

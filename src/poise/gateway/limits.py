@@ -34,14 +34,15 @@ class GatewayLimits:
         self.local = RateLimiter(clock)
         self.on_fallback = on_fallback
         self.shared: RedisRateLimiter | None = None
-        self._client: Redis | None = None
+        # Shared with the gateway's other Redis users (shared verdicts): one pool per gateway.
+        self.client: Redis | None = None
         if settings.redis_url is not None:
-            self._client = Redis.from_url(
+            self.client = Redis.from_url(
                 settings.redis_url,
                 socket_timeout=settings.redis_timeout_s,
                 socket_connect_timeout=settings.redis_timeout_s,
             )
-            self.shared = RedisRateLimiter(self._client, settings.key_prefix)
+            self.shared = RedisRateLimiter(self.client, settings.key_prefix)
         self._down_until = 0.0
         self.redis_up = self.shared is not None
 
@@ -78,5 +79,5 @@ class GatewayLimits:
             self.redis_up = False
 
     async def aclose(self) -> None:
-        if self._client is not None:
-            await self._client.aclose()
+        if self.client is not None:
+            await self.client.aclose()

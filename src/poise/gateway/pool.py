@@ -132,7 +132,8 @@ class Pool:
         if backend is None or until <= self.clock():
             return False
         known = self.out_remotely(url)
-        if not known and backend in self.eligible() and len(self.eligible()) <= 1:
+        eligible = self.eligible()
+        if not known and backend in eligible and len(eligible) <= 1:
             return False
         self._remote_out[url] = max(until, self._remote_out.get(url, 0.0))
         return not known

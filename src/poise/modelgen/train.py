@@ -2,11 +2,12 @@
 
 ``make run`` serves a model made on the spot, because nothing may be downloaded. Random weights
 answer with random tokens, and then a new user cannot tell a working stack from a broken one.
-So the demo is trained here, on the CPU, for a few minutes. The text is the documentation topics of
-the standard library's ``pydoc_data``, which every Python installation has.
+So the demo is trained here, on the CPU, for a few minutes. The text is the documentation
+topics of the standard library's ``pydoc_data``, which every Python installation has.
 
-The model is written out here, in plain PyTorch, with Hugging Face Llama's parameter names
-and rotary convention, so the saved directory loads unchanged in poise and in transformers.
+The model is written out here in plain PyTorch, with Hugging Face Llama's parameter names and
+rotary convention (its RMSNorm and half-rotation are the engine's own), so the saved
+directory loads unchanged in poise and in transformers.
 Training: next-token cross-entropy on random windows of the token stream, AdamW, a warm-up
 then cosine decay paced by the time budget (not a step count, so the run ends on time), and
 bfloat16 autocast. One fixed seed makes the data order and initial weights reproducible; the
@@ -28,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
+from poise.engine.models.llama import RMSNorm, rotate_half
 from poise.modelgen.corpus import pydoc_corpus
 from poise.modelgen.make_model import (
     EOS,
@@ -58,24 +60,6 @@ class TrainSettings:
     threads: int | None = None  # torch threads; None: torch's default
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    a, b = x.chunk(2, dim=-1)
-    return torch.cat((-b, a), dim=-1)
-
-
 class Attention(nn.Module):
     def __init__(self, c: dict[str, Any]) -> None:
         super().__init__()
@@ -93,8 +77,8 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(b, t, self.heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
         group = self.heads // self.kv_heads
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
