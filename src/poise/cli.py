@@ -88,8 +88,15 @@ def _serve(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    from poise.engine.errors import ModelLoadError
+    from poise.engine.models.checkpoint import check_checkpoint
     from poise.server.run import serve
 
+    try:  # refuse what the checkpoint says and poise cannot run before listening at all
+        check_checkpoint(settings.model, settings.generation_config)
+    except ModelLoadError as exc:
+        print(f"error: cannot serve {settings.model}: {exc}", file=sys.stderr)
+        return 1
     print(
         f"poise: serving {settings.model_name} at {http_url(settings.host, settings.port)}",
         flush=True,
@@ -111,6 +118,11 @@ def _add_serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int)
     p.add_argument("--max-num-batched-tokens", type=int)
     p.add_argument("--max-model-len", type=int)
+    p.add_argument(
+        "--generation-config",
+        choices=["auto", "none"],
+        help="auto: the model's generation_config.json sampling settings are request defaults",
+    )
     p.add_argument("--engine-niceness", type=int, help="nice value added to engine threads")
     p.add_argument(
         "--engine-in-thread",
@@ -158,8 +170,20 @@ def _gateway(args: argparse.Namespace) -> int:
 
 def _up(args: argparse.Namespace) -> int:
     from poise.config import read_config_file
+    from poise.engine.errors import ModelLoadError
+    from poise.engine.models.checkpoint import check_checkpoint
     from poise.launcher import up
 
+    try:  # a checkpoint every replica would refuse is refused once, before anything starts
+        flags = args.serve_flags.split()
+        mode = "auto"
+        for i, flag in enumerate(flags):
+            if flag.startswith("--generation-config"):
+                mode = flag.partition("=")[2] or (flags[i + 1] if i + 1 < len(flags) else mode)
+        check_checkpoint(args.model, mode)
+    except ModelLoadError as exc:
+        print(f"error: cannot serve {args.model}: {exc}", file=sys.stderr)
+        return 1
     autoscale = None
     if args.autoscale:
         low, high = args.min_replicas, args.max_replicas

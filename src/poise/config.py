@@ -44,6 +44,9 @@ class ServerSettings(BaseModel):
     enable_prefix_caching: bool = True
     native_kernels: bool = True
     seed: int = 0
+    # auto: the model's generation_config.json sampling settings default unset request fields
+    # (vLLM's --generation-config auto); none: they do not. Its eos ids stop either way.
+    generation_config: Literal["auto", "none"] = "auto"
     # Added to the engine's nice value so that HTTP work preempts its compute threads (0: off).
     # Nice only matters while something else wants the core, and then answering should win.
     engine_niceness: int = Field(default=10, ge=0, le=19)

@@ -131,6 +131,7 @@ class _Request(BaseModel):
     seed: int | None = Field(default=None, ge=-(2**63), le=2**64 - 1)
     presence_penalty: float = Field(default=0.0, ge=-2, le=2)
     frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
+    repetition_penalty: float | None = Field(default=None, gt=0, allow_inf_nan=False)
     user: str | None = None
     # vLLM's extras
     top_k: int | None = Field(default=None, ge=-1)
@@ -168,6 +169,25 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    # What chat templates read besides the text (vLLM's names): an assistant's calls, the call a
+    # tool message answers, the reasoning of an earlier turn.
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+
+    def template_dict(self) -> dict[str, Any]:
+        """The message as its chat template sees it: the fields the client sent, text joined.
+
+        None fields are left out, as transformers leaves them out: templates test for a missing
+        key, and many would print "None".
+        """
+        out: dict[str, Any] = {}
+        for field in type(self).model_fields:
+            value = getattr(self, field)
+            if field in self.model_fields_set and value is not None:
+                out[field] = self.text() if field == "content" else value
+        return out
 
     def text(self) -> str:
         if self.content is None:
@@ -189,7 +209,13 @@ class ChatCompletionRequest(_Request):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    # The chat template's inputs, as vLLM takes them.
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # the prompt ends inside the last message, to go on
+    tools: list[dict[str, Any]] | None = None
+    documents: list[dict[str, Any]] | None = None
+    chat_template: str | None = None  # a name of one of the model's templates, or a template
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 StreamOptions.model_rebuild()

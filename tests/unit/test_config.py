@@ -35,6 +35,14 @@ def test_mistakes_are_named(tmp_path, flags, text, needle):
         load_settings(flags, f, {})
 
 
+def test_generation_config_from_env_and_named_when_wrong(tmp_path):
+    assert load_settings({"model": "/m"}, None, {}).generation_config == "auto"
+    env = {"POISE_GENERATION_CONFIG": "none"}
+    assert load_settings({"model": "/m"}, None, env).generation_config == "none"
+    with pytest.raises(ConfigError, match="generation_config"):
+        load_settings({"model": "/m", "generation_config": "vllm"}, None, {})
+
+
 def test_missing_file_is_a_clear_error(tmp_path):
     with pytest.raises(ConfigError, match="cannot read"):
         load_settings({"model": "/m"}, tmp_path / "nope.yaml", {})

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from poise.engine.errors import EngineDeadError
+from poise.engine.generation_config import SamplingDefaults
 from poise.engine.intake import RequestFactory, Resume
 from poise.engine.outputs import EngineStats, RequestOutput
 from poise.engine.request import Request, SamplingParams
@@ -77,6 +78,11 @@ class EngineClient(ABC):
     @property
     def max_model_len(self) -> int:
         return self.intake.limits.max_model_len
+
+    @property
+    def sampling_defaults(self) -> SamplingDefaults:
+        """The model's generation config defaults for request fields left unset."""
+        return self.intake.limits.sampling_defaults
 
     @property
     def has_work(self) -> bool:

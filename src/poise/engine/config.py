@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,3 +21,7 @@ class EngineConfig:
     seed: int = 0  # for requests without a seed of their own
     # On the CPU: the C decode-attention kernel, and oneDNN-packed float32 linear layers.
     native_kernels: bool = True
+    # auto: generation_config.json's sampling settings are the defaults of requests that leave
+    # them unset (as vLLM's --generation-config auto); none: they are not. Its eos ids stop
+    # generation either way.
+    generation_config: Literal["auto", "none"] = "auto"

@@ -18,15 +18,17 @@ from poise.engine.config import EngineConfig
 from poise.engine.errors import InvalidRequestError
 from poise.engine.faults import FaultInjector
 from poise.engine.forecast import IDLE_FORECAST, SlotForecast, SlotForecaster
+from poise.engine.generation_config import load_generation_config
 from poise.engine.intake import IntakeLimits, RequestFactory
 from poise.engine.kernels import load_paged_decode_attention
 from poise.engine.kv_cache import KVCacheManager, kv_bytes_per_token, num_blocks_for_budget
+from poise.engine.models.checkpoint import load_tokenizer, open_checkpoint
 from poise.engine.models.loader import load_model
 from poise.engine.outputs import CompletionOutput, EngineStats, RequestOutput
 from poise.engine.request import Request, RequestStatus, SamplingParams
 from poise.engine.runner import ModelRunner
 from poise.engine.scheduler import Scheduler, SchedulerConfig
-from poise.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from poise.engine.tokenizer import IncrementalDetokenizer
 
 log = logging.getLogger("poise.engine")
 
@@ -62,13 +64,25 @@ class LLMEngine:
         self.config = config or EngineConfig()
         self.clock = clock
         self.model_dir = Path(model_dir)
-        self.model = load_model(
-            self.model_dir, self.config.dtype, self.config.device, self.config.native_kernels
+        self.checkpoint = open_checkpoint(self.model_dir)
+        # Before the weights: a file that cannot be honoured should fail the load at once.
+        self.generation_config = load_generation_config(
+            self.checkpoint.generation_config,
+            self.config.generation_config,
+            self.checkpoint.generation_config_source,
         )
-        self.tokenizer = Tokenizer(self.model_dir)
+        self.model = load_model(
+            self.checkpoint, self.config.dtype, self.config.device, self.config.native_kernels
+        )
+        self.tokenizer = load_tokenizer(self.checkpoint)
         mc = self.model.config
         self.max_model_len = min(self.config.max_model_len or mc.max_model_len, mc.max_model_len)
-        self.eos_token_ids = frozenset(mc.eos_token_ids) | self.tokenizer.eos_token_ids
+        self.eos_token_ids = (
+            frozenset(mc.eos_token_ids)
+            | self.tokenizer.eos_token_ids
+            | frozenset(self.generation_config.eos_token_ids)
+        )
+        log.info("generation config %s", self.generation_config.describe())
         dtype_size = next(self.model.parameters()).element_size()
         self.kv_bytes_per_token = kv_bytes_per_token(
             mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype_size
@@ -82,7 +96,7 @@ class LLMEngine:
                 f"{self.config.block_size} tokens at {self.kv_bytes_per_token} bytes per token"
             )
         self.kv = KVCacheManager(
-            num_blocks, self.config.block_size, self.config.enable_prefix_caching
+            num_blocks, self.config.block_size, self.config.enable_prefix_caching, mc.kv_window
         )
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -107,6 +121,7 @@ class LLMEngine:
             self.eos_token_ids,
             num_blocks,
             self.config.block_size,
+            self.generation_config.defaults,
         )
         self.intake = RequestFactory(self.tokenizer, self.limits, clock)
         self._tracked: dict[str, _Tracked] = {}
@@ -133,6 +148,9 @@ class LLMEngine:
         )
 
     def add_request(self, request: Request, prompt: str | None = None) -> None:
+        request.cache_salt = self.model.prefix_cache_salt(
+            request.num_prompt_tokens, request.num_tokens
+        )
         self.scheduler.add_request(request)
         sp = request.sampling
         detok = IncrementalDetokenizer(
@@ -205,6 +223,7 @@ class LLMEngine:
                 now = self.clock()
                 for request in advanced:
                     self._on_token(request, result.sampled[request.request_id].logprobs, now)
+                self._recompute_crossed(advanced)
         else:
             self.runner.forget(out.finished_request_ids)
         self.timing.last_step_end = self.clock()
@@ -223,6 +242,20 @@ class LLMEngine:
             (len(r.output_token_ids), r.max_tokens) for r in running if not r.is_probe
         )
         return outputs
+
+    def _recompute_crossed(self, advanced: list[Request]) -> None:
+        """Phi-3 with LongRoPE: a sequence that just outgrew the short factors is computed
+        again from its first token with the long ones, as transformers' generation does."""
+        past = self.model.recompute_past
+        if past is None:
+            return
+        for request in advanced:
+            if (
+                request.status is RequestStatus.RUNNING
+                and request.num_tokens > past >= request.num_computed_tokens > 0
+            ):
+                salt = self.model.prefix_cache_salt(request.num_prompt_tokens, request.num_tokens)
+                self.scheduler.recompute(request, salt)
 
     def _on_token(self, request: Request, logprobs: dict[int, float] | None, now: float) -> None:
         tracked = self._tracked[request.request_id]

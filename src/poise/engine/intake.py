@@ -10,9 +10,10 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from poise.engine.errors import InvalidRequestError, RequestTooLargeError
+from poise.engine.generation_config import SamplingDefaults
 from poise.engine.request import Request, SamplingParams
 from poise.engine.tokenizer import Tokenizer
 
@@ -24,6 +25,8 @@ class IntakeLimits:
     eos_token_ids: frozenset[int]
     num_kv_blocks: int
     block_size: int
+    # From the model's generation config: what front ends fill unset request fields with.
+    sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +94,10 @@ class RequestFactory:
                 param="prompt",
             )
         max_tokens = sampling.max_tokens if sampling.max_tokens is not None else room
+        max_length = lim.sampling_defaults.max_length
+        if sampling.max_tokens is None and max_length is not None:
+            # transformers' max_length counts the prompt; one that long still gets a token there.
+            max_tokens = min(room, max(1, max_length - len(ids)))
         if max_tokens > room:
             raise InvalidRequestError(
                 f"prompt ({len(ids)} tokens) plus max_tokens ({max_tokens}) exceeds this "

@@ -9,6 +9,12 @@ Prefix caching keys a *full* block by a chained hash of (parent block's hash, th
 ids), so equal hashes imply equal prefixes; the stored token ids are compared on lookup to guard
 against hash collisions.
 
+Under sliding-window attention on every layer (``sliding_window``), a block whose tokens every
+future query is past the window of is given back while its request runs
+(``free_out_of_window``); its place in the block table becomes ``NULL_BLOCK``, never read again.
+A request whose rotary embedding depends on its prompt's length carries a ``cache_salt`` that
+roots its hash chain, so it shares blocks only with requests whose keys were rotated alike.
+
 The scheduler talks to this class in query/commit pairs: ``get_computed_blocks`` (query, no
 change) then ``allocate_slots`` (commit, all or nothing).
 """
@@ -19,6 +25,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from poise.engine.request import Request
+
+NULL_BLOCK = -1  # a block-table entry given back under a sliding window
 
 
 def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype_size: int) -> int:
@@ -55,6 +63,7 @@ class KVCacheManager:
     num_blocks: int
     block_size: int
     enable_prefix_caching: bool = True
+    sliding_window: int | None = None  # every layer's window, when all have one
     blocks: list[Block] = field(init=False)
     # Blocks nobody references, in eviction order (front goes first).
     _free: OrderedDict[int, None] = field(init=False)
@@ -101,7 +110,7 @@ class KVCacheManager:
 
     def holders(self) -> dict[str, list[int]]:
         """Every live block table, for invariant checks and debugging."""
-        return {rid: list(t) for rid, t in self._tables.items()}
+        return {rid: [b for b in t if b != NULL_BLOCK] for rid, t in self._tables.items()}
 
     def _hash_full_blocks(self, request: Request, upto_tokens: int) -> list[int]:
         """Extend request.block_hashes to cover the full blocks among its first tokens."""
@@ -110,7 +119,7 @@ class KVCacheManager:
         n_full = upto_tokens // bs
         while len(hashes) < n_full:
             i = len(hashes)
-            parent = hashes[-1] if hashes else None
+            parent = hashes[-1] if hashes else request.cache_salt
             hashes.append(hash((parent, tuple(request.all_token_ids[i * bs : (i + 1) * bs]))))
         return hashes
 
@@ -138,7 +147,7 @@ class KVCacheManager:
         hits: list[int] = []
         for i, h in enumerate(hashes[: usable // bs]):
             tokens = tuple(request.all_token_ids[i * bs : (i + 1) * bs])
-            block_id = self._lookup(h, hashes[i - 1] if i else None, tokens)
+            block_id = self._lookup(h, hashes[i - 1] if i else request.cache_salt, tokens)
             if block_id is None:
                 break
             hits.append(block_id)
@@ -198,11 +207,13 @@ class KVCacheManager:
         hashes = self._hash_full_blocks(request, request.num_computed_tokens)
         bs = self.block_size
         for i in range(min(len(hashes), len(table))):
+            if table[i] == NULL_BLOCK:
+                continue
             block = self.blocks[table[i]]
             if block.block_hash is not None or hashes[i] in self._cached:
                 continue
             block.block_hash = hashes[i]
-            block.parent_hash = hashes[i - 1] if i else None
+            block.parent_hash = hashes[i - 1] if i else request.cache_salt
             block.token_ids = tuple(request.all_token_ids[i * bs : (i + 1) * bs])
             self._cached[hashes[i]] = block.block_id
 
@@ -213,15 +224,37 @@ class KVCacheManager:
             return
         # Tail blocks are the least likely to be shared, so they are evicted first.
         for block_id in reversed(table):
-            block = self.blocks[block_id]
-            if block.ref_cnt <= 0:
-                raise RuntimeError(f"block {block_id} freed more often than taken")
-            block.ref_cnt -= 1
-            if block.ref_cnt == 0:
-                self._free[block_id] = None
-                if block.block_hash is None:
-                    # Nothing to keep in it: reuse it before any cached block.
-                    self._free.move_to_end(block_id, last=False)
+            if block_id != NULL_BLOCK:
+                self._release(block_id)
+
+    def free_out_of_window(self, request: Request) -> int:
+        """Give back the blocks no future query of the request can see; how many went back.
+
+        The next token computed sits at ``num_computed_tokens`` and sees keys after
+        ``num_computed_tokens - sliding_window``; blocks wholly before that are done with.
+        """
+        table = self._tables.get(request.request_id)
+        if self.sliding_window is None or not table:
+            return 0
+        first_needed = request.num_computed_tokens - self.sliding_window + 1
+        freed = 0
+        for i in range(min(max(first_needed, 0) // self.block_size, len(table))):
+            if table[i] != NULL_BLOCK:
+                self._release(table[i])
+                table[i] = NULL_BLOCK
+                freed += 1
+        return freed
+
+    def _release(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_cnt <= 0:
+            raise RuntimeError(f"block {block_id} freed more often than taken")
+        block.ref_cnt -= 1
+        if block.ref_cnt == 0:
+            self._free[block_id] = None
+            if block.block_hash is None:
+                # Nothing to keep in it: reuse it before any cached block.
+                self._free.move_to_end(block_id, last=False)
 
     def reset_prefix_cache(self) -> None:
         for block_hash, block_id in list(self._cached.items()):

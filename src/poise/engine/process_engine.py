@@ -26,9 +26,9 @@ from poise.engine.config import EngineConfig
 from poise.engine.core_process import OutputDelta, run_core
 from poise.engine.errors import InvalidRequestError, ModelLoadError
 from poise.engine.intake import IntakeLimits, RequestFactory
+from poise.engine.models.checkpoint import load_tokenizer
 from poise.engine.outputs import CompletionOutput, RequestOutput
 from poise.engine.request import Request
-from poise.engine.tokenizer import Tokenizer
 
 log = logging.getLogger("poise.engine")
 
@@ -113,7 +113,7 @@ class ProcessEngine(EngineClient):
         except BaseException:
             self._kill()
             raise
-        super().__init__(RequestFactory(Tokenizer(model_dir), limits))
+        super().__init__(RequestFactory(load_tokenizer(model_dir), limits))
         self._accumulated: dict[str, _Accumulated] = {}
         self._outbox: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
         self._fault_replies: deque[asyncio.Future[dict[str, Any] | None]] = deque()

@@ -60,6 +60,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: no top-k cut
+    min_p: float = 0.0  # drop tokens less likely than min_p times the likeliest (0: off)
     max_tokens: int | None = 16  # None: up to the model's context length
     stop: list[str] | str | None = None
     stop_token_ids: list[int] | None = None
@@ -68,6 +69,9 @@ class SamplingParams:
     logprobs: int | None = None  # how many top alternatives to return with each token
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    # Hugging Face's: every token of the prompt or output so far has its logit divided by this
+    # (multiplied, when negative). 1.0: off.
+    repetition_penalty: float = 1.0
     min_tokens: int = 0
     include_stop_str_in_output: bool = False
 
@@ -90,6 +94,8 @@ class SamplingParams:
             raise bad("top_p", f"must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise bad("top_k", f"must be -1, 0 (off) or a positive integer, got {self.top_k}")
+        if not (0.0 <= self.min_p <= 1.0):
+            raise bad("min_p", f"must be in [0, 1], got {self.min_p}")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise bad("max_tokens", f"must be at least 1, got {self.max_tokens}")
         if self.min_tokens < 0 or (
@@ -102,6 +108,10 @@ class SamplingParams:
             value = getattr(self, name)
             if not math.isfinite(value) or not (-2.0 <= value <= 2.0):
                 raise bad(name, f"must be in [-2, 2], got {value}")
+        if not math.isfinite(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise bad(
+                "repetition_penalty", f"must be a finite number > 0, got {self.repetition_penalty}"
+            )
         if any(not isinstance(s, str) or not s for s in self.stop):  # type: ignore[union-attr]
             raise bad("stop", "must be non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):  # type: ignore[union-attr]
@@ -134,6 +144,8 @@ class Request:
     num_cached_prompt_tokens: int = 0  # prefix-cache hits at its (last) admission
     num_preemptions: int = 0
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of full blocks
+    # Roots the hash chain: requests with different salts never share cached blocks.
+    cache_salt: int | None = None
     error: str | None = None
     first_scheduled_time: float | None = None
     is_probe: bool = False  # a health check's one-token request: skips the running cap

@@ -16,12 +16,13 @@ from dataclasses import dataclass
 import torch
 
 from poise.engine.kernels import PagedDecodeAttention
-from poise.engine.models.llama import (
+from poise.engine.models.attention import (
     AttentionMetadata,
+    AttentionView,
     DecodeBucket,
-    LlamaForCausalLM,
     PrefillChunk,
 )
+from poise.engine.models.llama import LlamaForCausalLM
 from poise.engine.sampler import Sampled, SampleRow, sample
 from poise.engine.scheduler import ScheduledSequence, SchedulerOutput
 
@@ -55,6 +56,7 @@ class ModelRunner:
         ):
             decode_kernel = None
         self.decode_kernel = decode_kernel
+        self.windows = sorted(set(c.layer_windows), key=lambda w: -1 if w is None else w)
         slots = num_blocks * block_size
         shape = (c.num_kv_heads, slots, c.head_dim)
         self.kv_caches = [
@@ -85,18 +87,26 @@ class ModelRunner:
         blocks = torch.tensor(table, dtype=torch.long)[pos // self.block_size]
         return blocks * self.block_size + pos % self.block_size
 
-    def _decode_bucket(self, seqs: list[ScheduledSequence], token_start: int) -> DecodeBucket:
+    def _decode_bucket(
+        self, seqs: list[ScheduledSequence], token_start: int, window: int | None
+    ) -> DecodeBucket:
         bs = self.block_size
         ctx = torch.tensor([s.start_position + 1 for s in seqs])
+        starts = (ctx - window).clamp(min=0) if window is not None else torch.zeros_like(ctx)
         width = -(-int(ctx.max()) // bs)
         tables = torch.zeros(len(seqs), width, dtype=torch.long)
         for i, s in enumerate(seqs):
             tables[i, : min(width, len(s.block_table))] = torch.tensor(s.block_table[:width])
+        windowed = bool(starts.any())
         if self.decode_kernel is not None:
-            return DecodeBucket(token_start, len(seqs), tables, ctx, None, None)
-        pos = torch.arange(int(ctx.max()))
-        slots = tables[:, pos // bs] * bs + pos % bs  # (n, max_ctx)
-        padding = pos.unsqueeze(0) >= ctx.unsqueeze(1)
+            return DecodeBucket(
+                token_start, len(seqs), tables, ctx, starts if windowed else None, None, None
+            )
+        span = int((ctx - starts).max())
+        pos = starts.unsqueeze(1) + torch.arange(span).unsqueeze(0)  # (n, span)
+        padding = pos >= ctx.unsqueeze(1)
+        pos = pos.masked_fill(padding, 0)
+        slots = tables.gather(1, pos // bs) * bs + pos % bs
         slots = slots.masked_fill(padding, 0)
         masked = padding.to(self.device) if bool(padding.any()) else None
         return DecodeBucket(
@@ -104,21 +114,52 @@ class ModelRunner:
             len(seqs),
             tables.to(self.device),
             ctx.to(self.device),
+            starts.to(self.device) if windowed else None,
             slots.to(self.device),
             masked,
         )
 
+    def _prefill_chunk(
+        self, s: ScheduledSequence, token_start: int, window: int | None
+    ) -> PrefillChunk:
+        n, start = len(s.token_ids), s.start_position
+        lo = max(0, start - window + 1) if window is not None else 0
+        context = self._slots(s.block_table, lo, start + n)
+        mask = None
+        if start or (window is not None and n > window):
+            q_pos = torch.arange(start, start + n).unsqueeze(1)
+            k_pos = torch.arange(lo, start + n).unsqueeze(0)
+            visible = k_pos <= q_pos
+            if window is not None:
+                visible &= k_pos > q_pos - window
+            mask = visible.to(self.device)
+        return PrefillChunk(token_start, n, context.to(self.device), mask)
+
+    def _view(
+        self,
+        decodes: list[ScheduledSequence],
+        prefills: list[ScheduledSequence],
+        window: int | None,
+    ) -> AttentionView:
+        per_bucket = len(decodes) if self.decode_kernel is not None else DECODE_BUCKET
+        buckets = [
+            self._decode_bucket(decodes[start : start + per_bucket], start, window)
+            for start in range(0, len(decodes), max(per_bucket, 1))
+        ]
+        chunks: list[PrefillChunk] = []
+        offset = len(decodes)
+        for s in prefills:
+            chunks.append(self._prefill_chunk(s, offset, window))
+            offset += len(s.token_ids)
+        return AttentionView(buckets, chunks)
+
     def _metadata(
         self, decodes: list[ScheduledSequence], prefills: list[ScheduledSequence]
     ) -> AttentionMetadata:
+        bs = self.block_size
         positions: list[torch.Tensor] = []
         writes: list[torch.Tensor] = []
-        buckets = []
-        per_bucket = len(decodes) if self.decode_kernel is not None else DECODE_BUCKET
-        for start in range(0, len(decodes), max(per_bucket, 1)):
-            buckets.append(self._decode_bucket(decodes[start : start + per_bucket], start))
         if decodes:
-            bs = self.block_size
             pos = [s.start_position for s in decodes]
             positions.append(torch.tensor(pos))
             writes.append(
@@ -129,19 +170,23 @@ class ModelRunner:
                     ]
                 )
             )
-        chunks: list[PrefillChunk] = []
-        offset = len(decodes)
         for s in prefills:
             n, start = len(s.token_ids), s.start_position
-            context = self._slots(s.block_table, 0, start + n)
-            mask = None
-            if start:
-                q_pos = torch.arange(start, start + n).unsqueeze(1)
-                mask = (torch.arange(start + n).unsqueeze(0) <= q_pos).to(self.device)
-            chunks.append(PrefillChunk(offset, n, context.to(self.device), mask))
             positions.append(torch.arange(start, start + n))
-            writes.append(context[start:])
-            offset += n
+            writes.append(self._slots(s.block_table, start, start + n))
+        flat_positions = torch.cat(positions)
+        rope_lens = seq_lens = None
+        if self.model.rope_length_dependent:
+            # The lengths the rotation reads, per token: see models/rope.py.
+            prompt, total = [], []
+            for s in decodes:
+                prompt.append(len(s.prompt_token_ids))
+                total.append(len(s.prompt_token_ids) + len(s.output_token_ids))
+            for s in prefills:
+                prompt += [len(s.prompt_token_ids)] * len(s.token_ids)
+                total += [len(s.prompt_token_ids) + len(s.output_token_ids)] * len(s.token_ids)
+            rope_lens = torch.maximum(flat_positions + 1, torch.tensor(prompt)).to(self.device)
+            seq_lens = torch.tensor(total).to(self.device)
         logits_at: list[int] = [i for i, s in enumerate(decodes) if s.sample]
         offset = len(decodes)
         for s in prefills:
@@ -149,10 +194,11 @@ class ModelRunner:
             if s.sample:
                 logits_at.append(offset - 1)
         return AttentionMetadata(
-            positions=torch.cat(positions).to(self.device),
+            positions=flat_positions.to(self.device),
             slot_mapping=torch.cat(writes).to(self.device),
-            decodes=buckets,
-            prefills=chunks,
+            rope_lens=rope_lens,
+            seq_lens=seq_lens,
+            views={w: self._view(decodes, prefills, w) for w in self.windows},
             block_size=self.block_size,
             decode_kernel=self.decode_kernel,
             logits_indices=torch.tensor(logits_at, dtype=torch.long, device=self.device),
@@ -171,6 +217,9 @@ class ModelRunner:
         )
         logits = self.model(input_ids, meta, self.kv_caches)
         sampling = [s for s in decodes if s.sample] + [s for s in prefills if s.sample]
-        rows = [SampleRow(s.sampling, s.output_token_ids, self._generator(s)) for s in sampling]
+        rows = [
+            SampleRow(s.sampling, s.prompt_token_ids, s.output_token_ids, self._generator(s))
+            for s in sampling
+        ]
         results = sample(logits.cpu(), rows, self.eos)
         return RunnerOutput({s.request_id: r for s, r in zip(sampling, results, strict=True)})

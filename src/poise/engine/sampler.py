@@ -4,6 +4,10 @@ Greedy rows are one argmax over the batch. Every other row samples with its own 
 seeded requests own a ``torch.Generator`` seeded once, so the same seed and input give the same
 tokens whatever else shares the batch; unseeded ones draw from the runner's generator.
 Logprobs are those of the model's raw distribution, before penalties and temperature.
+
+Each row's logits go through the steps in vLLM's order: stop tokens banned before min_tokens,
+then the penalties (repetition over prompt and output, frequency, presence), then for sampled
+rows temperature, min_p, top-k and top-p. Greedy rows take the argmax after the penalties.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from poise.engine.request import SamplingParams
 @dataclass(frozen=True, slots=True)
 class SampleRow:
     sampling: SamplingParams
+    prompt_token_ids: list[int]  # read only; the repetition penalty covers them
     output_token_ids: list[int]
     generator: torch.Generator
 
@@ -30,12 +35,22 @@ class Sampled:
     logprobs: dict[int, float] | None
 
 
-def _apply_penalties(logits: torch.Tensor, sp: SamplingParams, output: list[int]) -> None:
+def _apply_penalties(
+    logits: torch.Tensor, sp: SamplingParams, prompt: list[int], output: list[int]
+) -> None:
+    """In place, in vLLM's order: repetition (prompt and output), frequency, presence."""
+    vocab = logits.shape[-1]
+    if sp.repetition_penalty != 1.0:
+        seen = torch.tensor([*prompt, *output], dtype=torch.long, device=logits.device).unique()
+        seen = seen[seen < vocab]
+        picked = logits[seen]
+        p = sp.repetition_penalty
+        logits[seen] = torch.where(picked > 0, picked / p, picked * p)
     if not output or (sp.presence_penalty == 0.0 and sp.frequency_penalty == 0.0):
         return
-    counts = torch.bincount(torch.tensor(output, device=logits.device), minlength=logits.shape[-1])[
-        : logits.shape[-1]
-    ].to(logits.dtype)
+    counts = torch.bincount(torch.tensor(output, device=logits.device), minlength=vocab)[:vocab].to(
+        logits.dtype
+    )
     logits -= sp.frequency_penalty * counts + sp.presence_penalty * (counts > 0).to(logits.dtype)
 
 
@@ -48,6 +63,12 @@ def _mask_stops(
     banned = [t for t in (*eos, *sp.stop_token_ids) if t < logits.shape[-1]]  # type: ignore[misc]
     if banned:
         logits[banned] = float("-inf")
+
+
+def _min_p(logits: torch.Tensor, min_p: float) -> torch.Tensor:
+    """Drop tokens less likely than ``min_p`` times the likeliest one (after temperature)."""
+    probs = logits.softmax(-1)
+    return logits.masked_fill(probs < min_p * probs.max(), float("-inf"))
 
 
 def _top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -75,19 +96,24 @@ def sample(logits: torch.Tensor, rows: Sequence[SampleRow], eos: frozenset[int])
         for i, r in enumerate(rows)
         if r.sampling.presence_penalty
         or r.sampling.frequency_penalty
+        or r.sampling.repetition_penalty != 1.0
         or len(r.output_token_ids) < r.sampling.min_tokens
     ]
     if needs_processing:
         processed = logits.clone()
         for i in needs_processing:
-            _apply_penalties(processed[i], rows[i].sampling, rows[i].output_token_ids)
-            _mask_stops(processed[i], rows[i].sampling, rows[i].output_token_ids, eos)
+            row = rows[i]
+            _mask_stops(processed[i], row.sampling, row.output_token_ids, eos)
+            _apply_penalties(processed[i], row.sampling, row.prompt_token_ids, row.output_token_ids)
     tokens = processed.argmax(dim=-1).tolist()
     for i, row in enumerate(rows):
         sp = row.sampling
         if sp.greedy:
             continue
-        scaled = _top_k_top_p(processed[i] / sp.temperature, sp.top_k, sp.top_p)
+        scaled = processed[i] / sp.temperature
+        if sp.min_p > 0.0:
+            scaled = _min_p(scaled, sp.min_p)
+        scaled = _top_k_top_p(scaled, sp.top_k, sp.top_p)
         probs = scaled.softmax(-1)
         tokens[i] = int(torch.multinomial(probs, 1, generator=row.generator).item())
     out = []

@@ -50,6 +50,7 @@ class ScheduledSequence:
     sample: bool  # this chunk reaches the sequence's end: sample the next token
     sampling: SamplingParams
     output_token_ids: list[int]  # generated so far, for repetition penalties (read only)
+    prompt_token_ids: list[int]  # the request's prompt (read only): repetition penalty covers it
 
 
 @dataclass(slots=True)
@@ -239,7 +240,16 @@ class Scheduler:
             sample=start + n == request.num_tokens,
             sampling=request.sampling,
             output_token_ids=request.output_token_ids,
+            prompt_token_ids=request.prompt_token_ids,
         )
+
+    def recompute(self, request: Request, cache_salt: int | None) -> None:
+        """Drop a running request's K/V so its next steps compute every token again (under a
+        new prefix-cache salt: its keys will be rotated otherwise). It keeps its place."""
+        self.kv.free(request)
+        request.num_computed_tokens = 0
+        request.cache_salt = cache_salt
+        request.block_hashes.clear()
 
     # ----- after the step -----
     def update_from_output(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
@@ -254,6 +264,7 @@ class Scheduler:
                 continue  # ended or preempted meanwhile
             request.num_computed_tokens += len(seq.token_ids)
             self.kv.cache_full_blocks(request)
+            self.kv.free_out_of_window(request)
             if not seq.sample:
                 continue
             request.append_output_token(sampled[seq.request_id])

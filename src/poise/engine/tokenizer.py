@@ -1,4 +1,9 @@
-"""Text ↔ token ids for a model directory: encoding, chat templates, incremental decoding.
+"""Text ↔ token ids for a model: encoding, chat templates, incremental decoding.
+
+Prompts are tokenized exactly as ``AutoTokenizer.from_pretrained(model_dir)`` of transformers 5
+tokenizes them, because a model only knows the token ids it was trained on; ``hf_tokenizer``
+holds transformers' rules for that and ``chat_template`` its rules for rendering chats. A
+checkpoint whose tokenizer poise cannot build the same way is refused at load.
 
 Incremental decoding follows the prefix/read-offset scheme of TGI and vLLM: each new token is
 decoded together with a few tokens before it, and text is released only once it no longer ends
@@ -11,80 +16,146 @@ still grow into a stop string is held back, so a client never sees part of a sto
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from jinja2 import TemplateError
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
-from poise.engine.errors import InvalidRequestError, ModelLoadError
+from poise.engine.chat_template import ChatTemplates, load_templates, templates_from_config
+from poise.engine.errors import ModelLoadError
+from poise.engine.hf_tokenizer import BuiltTokenizer, TokenizerFiles, build, read_json
 
 _REPLACEMENT = "\ufffd"
 _CONTEXT_TOKENS = 5  # tokens of left context when decoding one more token
-
-
-def _token_text(value: Any) -> str | None:
-    if isinstance(value, dict):
-        return value.get("content")
-    return value
+_CLEANUPS = (
+    (" .", "."),
+    (" ?", "?"),
+    (" !", "!"),
+    (" ,", ","),
+    (" ' ", "'"),
+    (" n't", "n't"),
+    (" 'm", "'m"),
+    (" 's", "'s"),
+    (" 've", "'ve"),
+    (" 're", "'re"),
+)
 
 
 class Tokenizer:
+    """A model's tokenizer as transformers' AutoTokenizer builds it, and its chat templates."""
+
     def __init__(self, model_dir: str | Path) -> None:
         model_dir = Path(model_dir)
         path = model_dir / "tokenizer.json"
         if not path.is_file():
             raise ModelLoadError(f"{model_dir} has no tokenizer.json")
-        self._tok = HFTokenizer.from_file(str(path))
-        cfg_path = model_dir / "tokenizer_config.json"
-        cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
-        self.bos_token = _token_text(cfg.get("bos_token"))
-        self.eos_token = _token_text(cfg.get("eos_token"))
-        self.chat_template: str | None = cfg.get("chat_template")
-        if isinstance(self.chat_template, list):  # named templates: take the default one
-            named = {t["name"]: t["template"] for t in self.chat_template}
-            self.chat_template = named.get("default")
-        self.eos_token_ids = self._eos_ids(model_dir)
+        text = path.read_text(encoding="utf-8")
+        try:
+            backend = HFTokenizer.from_str(text)
+        except Exception as exc:
+            raise ModelLoadError(f"{path} does not load: {exc}") from exc
+        files = TokenizerFiles(
+            text,
+            json.loads(text),
+            read_json(model_dir / "special_tokens_map.json"),
+            read_json(model_dir / "added_tokens.json"),
+        )
+        config = read_json(model_dir / "tokenizer_config.json")
+        model_config = read_json(model_dir / "config.json")
+        # Beside a tokenizer.json transformers drops these: the file's post-processor decides.
+        config = {k: v for k, v in config.items() if k not in ("add_bos_token", "add_eos_token")}
+        built = build(
+            backend,
+            config,
+            model_type=model_config.get("model_type"),
+            config_class=model_config.get("tokenizer_class"),
+            files=files,
+        )
+        self._init(built, ChatTemplates(load_templates(model_dir, config.get("chat_template"))))
+
+    @classmethod
+    def from_parts(
+        cls,
+        tokenizer: HFTokenizer,
+        tokenizer_config: Mapping[str, Any],
+        chat_templates: str | list[dict[str, Any]] | None = None,
+        *,
+        model_type: str | None = None,
+    ) -> Tokenizer:
+        """A tokenizer without a directory (GGUF), as transformers wraps a tokenizer object.
+
+        ``tokenizer_config`` holds what tokenizer_config.json would: special tokens, added
+        tokens, and ``add_bos_token``/``add_eos_token``, which here rebuild the post-processor as
+        transformers does for a tokenizer object. ``chat_templates`` (one template, or a list of
+        {name, template}) replaces its chat_template. ``tokenizer`` itself is not changed.
+        """
+        templates = templates_from_config(
+            tokenizer_config.get("chat_template") if chat_templates is None else chat_templates,
+            "chat_templates",
+        )
+        backend = HFTokenizer.from_str(tokenizer.to_str())
+        self = cls.__new__(cls)
+        self._init(
+            build(backend, tokenizer_config, model_type=model_type), ChatTemplates(templates)
+        )
+        return self
+
+    def _init(self, built: BuiltTokenizer, templates: ChatTemplates) -> None:
+        self._tok = built.backend
+        self._clean_up = built.clean_up_spaces
+        self.tokenizer_class = built.class_name
+        self.special_tokens_map = built.special_tokens
+        self.bos_token = built.special_tokens.get("bos_token")
+        self.eos_token = built.special_tokens.get("eos_token")
+        self.chat_templates = templates
+        # Only the tokenizer's own EOS: the model's generation config adds its own elsewhere.
+        eos_id = None if self.eos_token is None else self._tok.token_to_id(self.eos_token)
+        self.eos_token_ids: frozenset[int] = frozenset() if eos_id is None else frozenset({eos_id})
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
 
-    def _eos_ids(self, model_dir: Path) -> frozenset[int]:
-        ids: set[int] = set()
-        if self.eos_token and (tid := self._tok.token_to_id(self.eos_token)) is not None:
-            ids.add(tid)
-        gen_path = model_dir / "generation_config.json"
-        if gen_path.is_file():
-            eos = json.loads(gen_path.read_text()).get("eos_token_id")
-            ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
-        return frozenset(int(i) for i in ids)
+    @property
+    def chat_template(self) -> str | None:
+        """The template a request that names none gets."""
+        return self.chat_templates.default
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+        text = self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+        if self._clean_up:
+            for old, new in _CLEANUPS:
+                text = text.replace(old, new)
+        return text
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        *,
+        continue_final_message: bool | str = False,
+        tools: list[dict[str, Any]] | None = None,
+        documents: list[dict[str, Any]] | None = None,
+        chat_template: str | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> str:
-        if not self.chat_template:
-            raise InvalidRequestError("this model has no chat template", param="messages")
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.filters["tojson"] = lambda v, indent=None: json.dumps(v, indent=indent)
+        """The prompt text, as transformers' ``apply_chat_template(..., tokenize=False)``.
 
-        def raise_exception(message: str) -> None:
-            raise InvalidRequestError(message, param="messages")
-
-        env.globals["raise_exception"] = raise_exception
-        try:
-            return env.from_string(self.chat_template).render(
-                messages=messages,
-                add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token or "",
-                eos_token=self.eos_token or "",
-            )
-        except TemplateError as exc:
-            raise InvalidRequestError(f"chat template failed: {exc}", param="messages") from exc
+        ``chat_template``: the name of one of the model's templates, or a whole template.
+        ``chat_template_kwargs`` reach the template as variables. Raises InvalidRequestError
+        where transformers raises.
+        """
+        return self.chat_templates.render(
+            messages,
+            special_tokens=self.special_tokens_map,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            tools=tools,
+            documents=documents,
+            chat_template=chat_template,
+            template_kwargs=chat_template_kwargs,
+        )
 
 
 class IncrementalDetokenizer:

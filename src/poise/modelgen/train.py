@@ -29,7 +29,8 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
-from poise.engine.models.llama import RMSNorm, rotate_half
+from poise.engine.models.layers import RMSNorm
+from poise.engine.models.rope import rotate_half
 from poise.modelgen.corpus import pydoc_corpus
 from poise.modelgen.make_model import (
     EOS,

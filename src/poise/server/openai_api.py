@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from poise.engine.errors import InvalidRequestError
+from poise.engine.generation_config import SamplingDefaults
 from poise.engine.intake import Resume
 from poise.engine.outputs import RequestOutput
 from poise.engine.request import SamplingParams
@@ -57,13 +58,20 @@ def _sampling(
     max_tokens: int | None,
     logprobs: int | None,
     choice: int,
+    defaults: SamplingDefaults,
 ) -> SamplingParams:
+    """What the body set wins; what it left unset (None) takes the model's generation config
+    defaults, then poise's own."""
+    d = defaults
     try:
         return SamplingParams(
-            temperature=1.0 if body.temperature is None else body.temperature,
-            top_p=1.0 if body.top_p is None else body.top_p,
-            top_k=body.top_k or 0,
-            max_tokens=max_tokens,
+            temperature=d.pick("temperature", body.temperature, 1.0),
+            top_p=d.pick("top_p", body.top_p, 1.0),
+            top_k=d.pick("top_k", body.top_k, 0),
+            min_p=d.pick("min_p", None, 0.0),
+            repetition_penalty=d.pick("repetition_penalty", body.repetition_penalty, 1.0),
+            # None here: up to the context, or the generation config's max_length.
+            max_tokens=d.pick("max_tokens", max_tokens, None),
             stop=body.stop,
             stop_token_ids=body.stop_token_ids,
             # n choices with one seed must still differ, and stay reproducible.
@@ -405,8 +413,11 @@ def create_completion(
         raise APIError(400, "echo works only without stream and logprobs", param="echo")
     prompts = _prompts(body.prompt)
     expanded = [p for p in prompts for _ in range(body.n)]
+    defaults = replica.engine.sampling_defaults
     samplings = [
-        _sampling(body, body.max_tokens, body.logprobs, j) for _ in prompts for j in range(body.n)
+        _sampling(body, body.max_tokens, body.logprobs, j, defaults)
+        for _ in prompts
+        for j in range(body.n)
     ]
     priority = priority_from(body.priority, headers.get("x-priority"))
     deadline = replica.deadline_from(headers.get(DEADLINE_HEADER))
@@ -423,19 +434,33 @@ def create_chat_completion(
     replica: Replica, body: ChatCompletionRequest, headers: Mapping[str, str]
 ) -> Planned:
     model = _check_model(replica, body.model)
+    if body.add_generation_prompt and body.continue_final_message:
+        raise APIError(
+            400,
+            "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+            param="continue_final_message",
+        )
     tokenizer = replica.engine.tokenizer
-    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+    messages = [m.template_dict() for m in body.messages]
     try:
-        prompt = tokenizer.apply_chat_template(messages, body.add_generation_prompt)
+        prompt = tokenizer.apply_chat_template(
+            messages,
+            body.add_generation_prompt,
+            continue_final_message=body.continue_final_message,
+            tools=body.tools,
+            documents=body.documents,
+            chat_template=body.chat_template,
+            chat_template_kwargs=body.chat_template_kwargs,
+        )
     except InvalidRequestError as exc:
         raise APIError(400, str(exc), param=exc.param) from exc
     top = body.top_logprobs if body.logprobs else None
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
     max_tokens = body.max_completion_tokens or body.max_tokens
-    samplings = [
-        _sampling(body, max_tokens, (top or 0) if body.logprobs else None, j) for j in range(body.n)
-    ]
+    logprobs = (top or 0) if body.logprobs else None
+    defaults = replica.engine.sampling_defaults
+    samplings = [_sampling(body, max_tokens, logprobs, j, defaults) for j in range(body.n)]
     priority = priority_from(body.priority, headers.get("x-priority"))
     deadline = replica.deadline_from(headers.get(DEADLINE_HEADER))
     resume = _resume(body, body.n)

@@ -66,6 +66,12 @@ def test_stop_rules():
         ({"stop": [""]}, "stop"),
         ({"stop_token_ids": [-1]}, "stop_token_ids"),
         ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"repetition_penalty": -1.2}, "repetition_penalty"),
+        ({"repetition_penalty": float("inf")}, "repetition_penalty"),
+        ({"repetition_penalty": float("nan")}, "repetition_penalty"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"min_p": float("nan")}, "min_p"),
     ],
 )
 def test_bad_sampling_params_name_the_parameter(kwargs, param):

@@ -34,10 +34,11 @@ def default_cache_dir() -> Path:
 
 
 class PagedDecodeAttention:
-    """``out[i] = softmax(q[i] · K_ctx(i)ᵀ · scale) · V_ctx(i)``, one query token per sequence."""
+    """``out[i] = softmax(q[i] · K_ctx(i)ᵀ · scale) · V_ctx(i)``, one query token per sequence;
+    ctx(i) = positions [context_starts[i], context_lens[i])."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
-        args = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 7 + [ctypes.c_float, ctypes.c_int]
+        args = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 7 + [ctypes.c_float, ctypes.c_int]
         self._fns = {}
         for dtype, name in ((torch.float32, "f32"), (torch.bfloat16, "bf16")):
             fn = getattr(lib, f"paged_decode_attention_{name}")
@@ -57,6 +58,7 @@ class PagedDecodeAttention:
         context_lens: torch.Tensor,  # (n,) int64
         block_size: int,
         scale: float,
+        context_starts: torch.Tensor | None = None,  # (n,) int64 first position read
     ) -> torch.Tensor:
         q = q.contiguous()
         out = torch.empty_like(q)
@@ -68,6 +70,7 @@ class PagedDecodeAttention:
             v_cache.data_ptr(),
             block_tables.data_ptr(),
             context_lens.data_ptr(),
+            None if context_starts is None else context_starts.data_ptr(),
             out.data_ptr(),
             n,
             heads,

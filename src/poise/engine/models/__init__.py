@@ -1,1 +1,2 @@
-"""Llama-family models and the loader for local Hugging Face directories."""
+"""The model families poise runs (Llama, Mistral, Qwen2, Qwen3 in ``llama.py``; Phi-3 in
+``phi3.py``), their shared parts, and the loader for Hugging Face directories and GGUF files."""

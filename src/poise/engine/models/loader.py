@@ -1,27 +1,49 @@
-"""A local Hugging Face model directory → a ready model. Nothing is ever downloaded."""
+"""A checkpoint (Hugging Face directory or GGUF file) → a ready model on its device."""
 
 from __future__ import annotations
 
-import json
-from collections.abc import Iterator
+import logging
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from poise.engine.errors import ModelLoadError
+from poise.engine.models.checkpoint import Checkpoint, open_checkpoint
 from poise.engine.models.config import ModelConfig
 from poise.engine.models.llama import LlamaForCausalLM
 from poise.engine.models.packed_linear import pack_linears
+from poise.engine.models.phi3 import Phi3ForCausalLM
+
+log = logging.getLogger("poise.engine")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
+    "llama": LlamaForCausalLM,
+    "mistral": LlamaForCausalLM,
+    "qwen2": LlamaForCausalLM,
+    "qwen3": LlamaForCausalLM,
+    "phi3": Phi3ForCausalLM,
+}
 
 
-def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+def resolve_dtype(
+    dtype: str | torch.dtype, config: ModelConfig | None = None, device: torch.device | None = None
+) -> torch.dtype:
+    """``auto`` is the checkpoint's own dtype, as transformers 5 loads it; float16 becomes
+    float32 on the CPU, where half-precision matrix products are slow (more precise, never
+    less)."""
     if isinstance(dtype, torch.dtype):
         return dtype
+    if dtype == "auto":
+        own = (config.dtype if config else None) or "float32"
+        if own not in DTYPES:
+            raise ModelLoadError(f"config.json dtype {own!r} is not one of {', '.join(DTYPES)}")
+        if own == "float16" and (device is None or device.type == "cpu"):
+            log.info("checkpoint is float16; running float32 on the CPU")
+            own = "float32"
+        return DTYPES[own]
     if dtype not in DTYPES:
-        raise ModelLoadError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+        raise ModelLoadError(f"dtype {dtype!r} is not one of auto, {', '.join(DTYPES)}")
     return DTYPES[dtype]
 
 
@@ -36,61 +58,27 @@ def resolve_device(device: str | None) -> torch.device:
     return torch.device(device)
 
 
-def read_config(model_dir: Path) -> ModelConfig:
-    path = model_dir / "config.json"
-    if not model_dir.is_dir():
-        raise ModelLoadError(f"model directory {model_dir} does not exist")
-    if not path.is_file():
-        raise ModelLoadError(f"{model_dir} has no config.json")
-    try:
-        raw = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ModelLoadError(f"{path} is not valid JSON: {exc}") from exc
-    return ModelConfig.from_dict(raw)
-
-
-def weight_files(model_dir: Path) -> list[Path]:
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map", {})
-        files = sorted({model_dir / f for f in weight_map.values()})
-        missing = [f.name for f in files if not f.is_file()]
-        if missing:
-            raise ModelLoadError(f"{index.name} names shards that are missing: {missing}")
-        return files
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise ModelLoadError(
-            f"{model_dir} has no *.safetensors weights (nor model.safetensors.index.json)"
-        )
-    return files
-
-
-def iter_weights(files: list[Path], dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-    for path in files:
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                yield name, f.get_tensor(name).to(dtype)
+def read_config(path: Path) -> ModelConfig:
+    return open_checkpoint(path).config
 
 
 def load_model(
-    model_dir: str | Path,
-    dtype: str | torch.dtype = "float32",
+    model: str | Path | Checkpoint,
+    dtype: str | torch.dtype = "auto",
     device: str | None = None,
     cpu_kernels: bool = True,
 ) -> LlamaForCausalLM:
     """``cpu_kernels``: on the CPU in float32, run linear layers through oneDNN (packed)."""
-    model_dir = Path(model_dir)
-    config = read_config(model_dir)
-    files = weight_files(model_dir)
-    torch_dtype = resolve_dtype(dtype)
+    ckpt = model if isinstance(model, Checkpoint) else open_checkpoint(model)
+    config = ckpt.config
     torch_device = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, config, torch_device)
     with torch.device("meta"):
-        model = LlamaForCausalLM(config)
-    model = model.to_empty(device=torch_device).to(torch_dtype)
-    model.tie_weights()
-    model.load_weights(iter_weights(files, torch_dtype))
-    model.rope.build(torch_device)
+        net = MODEL_CLASSES[config.family](config)
+    net = net.to_empty(device=torch_device).to(torch_dtype)
+    net.tie_weights()
+    net.load_weights(ckpt.weights(torch_dtype))
+    net.build_rope(torch_device)
     if cpu_kernels:
-        pack_linears(model)
-    return model.eval()
+        pack_linears(net)
+    return net.eval()
