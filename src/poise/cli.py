@@ -111,7 +111,7 @@ def _add_serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int)
     p.add_argument("--served-model-name")
     p.add_argument("--api-key", action="append", help="accepted key (repeatable)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device")
     p.add_argument("--kv-cache-memory-gib", type=float)
     p.add_argument("--num-kv-blocks", type=int)
@@ -122,6 +122,12 @@ def _add_serve_flags(p: argparse.ArgumentParser) -> None:
         "--generation-config",
         choices=["auto", "none"],
         help="auto: the model's generation_config.json sampling settings are request defaults",
+    )
+    p.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        default=None,
+        help="let chat requests bring a chat_template of their own (it runs on the server)",
     )
     p.add_argument("--engine-niceness", type=int, help="nice value added to engine threads")
     p.add_argument(
@@ -236,7 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-tokens", type=int, default=48)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    gen.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto")
     gen.add_argument("--device", default=None, help="cpu (default), cuda or auto")
     gen.set_defaults(func=_generate)
 

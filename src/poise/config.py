@@ -33,7 +33,7 @@ class ServerSettings(BaseModel):
     api_keys: list[str] = Field(default_factory=list)
 
     # engine
-    dtype: str = "float32"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     device: str | None = None
     kv_cache_memory_gib: float = Field(default=1.0, gt=0)
     num_kv_blocks: int | None = Field(default=None, ge=1)
@@ -47,6 +47,9 @@ class ServerSettings(BaseModel):
     # auto: the model's generation_config.json sampling settings default unset request fields
     # (vLLM's --generation-config auto); none: they do not. Its eos ids stop either way.
     generation_config: Literal["auto", "none"] = "auto"
+    # A chat request may name one of the model's templates; a whole template of its own runs
+    # code of the client's on the server, so it needs this (vLLM's flag of the same name).
+    trust_request_chat_template: bool = False
     # Added to the engine's nice value so that HTTP work preempts its compute threads (0: off).
     # Nice only matters while something else wants the core, and then answering should win.
     engine_niceness: int = Field(default=10, ge=0, le=19)

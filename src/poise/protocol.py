@@ -132,6 +132,7 @@ class _Request(BaseModel):
     presence_penalty: float = Field(default=0.0, ge=-2, le=2)
     frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
     repetition_penalty: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+    min_p: float | None = Field(default=None, ge=0, le=1)
     user: str | None = None
     # vLLM's extras
     top_k: int | None = Field(default=None, ge=-1)

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.slow
 def trained(tmp_path_factory):
     out = tmp_path_factory.mktemp("trained") / "model"
     run = subprocess.run(
-        [sys.executable, "-m", "poise.cli", "make-model", str(out), "--train", "--minutes", "0.1"],
+        [sys.executable, "-m", "poise.cli", "make-model", str(out), "--train", "--minutes", "0.25"],
         capture_output=True, text=True, timeout=180, check=False,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-2000:]

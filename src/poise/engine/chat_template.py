@@ -302,6 +302,12 @@ class ChatTemplates:
             return self.templates.get("default")
         return self.templates
 
+    def is_own(self, chat_template: str) -> bool:
+        """Whether a request's chat_template names (or is) one of the model's templates."""
+        if isinstance(self.templates, dict):
+            return chat_template in self.templates or chat_template in self.templates.values()
+        return chat_template == self.templates
+
     def pick(self, chat_template: str | None, tools: list[Any] | None) -> str:
         """transformers' ``get_chat_template``: a name, a whole template, or the model's own."""
         if isinstance(self.templates, dict):

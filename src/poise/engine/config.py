@@ -8,7 +8,8 @@ from typing import Literal
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
-    dtype: str = "float32"  # float32 or bfloat16 (float16 on CUDA)
+    dtype: str = "auto"  # the checkpoint's own (float16 runs as float32 on the CPU), or
+    # float32, bfloat16 (float16 on CUDA)
     device: str | None = None  # None/cpu, cuda, cuda:N or auto
     block_size: int = 16  # tokens per KV block
     kv_cache_memory_bytes: int = 1 << 30  # budget the pool is sized from (SPEC formula 3)

@@ -99,6 +99,8 @@ class SamplingDefaults:
         """vLLM's ``get_default_sampling_params``: SamplingParams' defaults, then these."""
         given = self.as_dict()
         given.pop("max_length", None)
+        if "max_tokens" in given:
+            given["max_tokens"] = None  # the intake applies it, within the context
         return SamplingParams(**given)
 
 

@@ -94,10 +94,14 @@ class RequestFactory:
                 param="prompt",
             )
         max_tokens = sampling.max_tokens if sampling.max_tokens is not None else room
-        max_length = lim.sampling_defaults.max_length
-        if sampling.max_tokens is None and max_length is not None:
+        defaults = lim.sampling_defaults
+        if sampling.max_tokens is None and defaults.max_tokens is not None:
+            # The file's max_new_tokens is a default, not a demand: capped by the context, as
+            # vLLM caps it; only a max_tokens the request itself asks for can be refused.
+            max_tokens = min(room, defaults.max_tokens)
+        elif sampling.max_tokens is None and defaults.max_length is not None:
             # transformers' max_length counts the prompt; one that long still gets a token there.
-            max_tokens = min(room, max(1, max_length - len(ids)))
+            max_tokens = min(room, max(1, defaults.max_length - len(ids)))
         if max_tokens > room:
             raise InvalidRequestError(
                 f"prompt ({len(ids)} tokens) plus max_tokens ({max_tokens}) exceeds this "

@@ -21,7 +21,7 @@ class LLM:
     def __init__(
         self,
         model: str | Path,
-        dtype: str = "float32",
+        dtype: str = "auto",
         generation_config: str = "auto",
         **engine_options: Any,
     ) -> None:

@@ -68,10 +68,11 @@ def _sampling(
             temperature=d.pick("temperature", body.temperature, 1.0),
             top_p=d.pick("top_p", body.top_p, 1.0),
             top_k=d.pick("top_k", body.top_k, 0),
-            min_p=d.pick("min_p", None, 0.0),
+            min_p=d.pick("min_p", body.min_p, 0.0),
             repetition_penalty=d.pick("repetition_penalty", body.repetition_penalty, 1.0),
-            # None here: up to the context, or the generation config's max_length.
-            max_tokens=d.pick("max_tokens", max_tokens, None),
+            # None here: the generation config's max_new_tokens or max_length, within the
+            # context, or else up to the context (the intake decides, knowing the prompt).
+            max_tokens=max_tokens,
             stop=body.stop,
             stop_token_ids=body.stop_token_ids,
             # n choices with one seed must still differ, and stay reproducible.
@@ -441,6 +442,17 @@ def create_chat_completion(
             param="continue_final_message",
         )
     tokenizer = replica.engine.tokenizer
+    if (
+        body.chat_template is not None
+        and not replica.settings.trust_request_chat_template
+        and not tokenizer.chat_templates.is_own(body.chat_template)
+    ):
+        raise APIError(
+            400,
+            "chat_template may only name one of this model's templates; a template of the "
+            "request's own needs the server's --trust-request-chat-template",
+            param="chat_template",
+        )
     messages = [m.template_dict() for m in body.messages]
     try:
         prompt = tokenizer.apply_chat_template(

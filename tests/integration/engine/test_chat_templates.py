@@ -541,7 +541,13 @@ def test_llm_chat_with_only_a_jinja_file(base_dir, tmp_path):
 @pytest.fixture(scope="module")
 def served(base_dir, tmp_path_factory):
     d = checkpoint(base_dir, tmp_path_factory.mktemp("served") / "m", jinja=DOCUMENTS, weights=True)
-    proc = ServerProcess(d, tmp_path_factory.mktemp("logs"), "--max-model-len", "512")
+    proc = ServerProcess(
+        d,
+        tmp_path_factory.mktemp("logs"),
+        "--max-model-len",
+        "512",
+        "--trust-request-chat-template",
+    )
     yield proc, AutoTokenizer.from_pretrained(d)
     proc.stop()
 

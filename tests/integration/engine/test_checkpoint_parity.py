@@ -207,8 +207,10 @@ def _reference(path: Path) -> list[list[int]]:
     out = []
     for prompt in PROMPTS:
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        ids = torch.tensor([prompt])
         ids = hf.generate(
-            torch.tensor([prompt]),
+            ids,
+            attention_mask=torch.ones_like(ids),  # token 0 is no padding here
             do_sample=False,
             max_new_tokens=MAX_NEW,
             min_new_tokens=MAX_NEW,
@@ -271,3 +273,23 @@ def test_sliding_window_gives_blocks_back_while_generating(checkpoints, case):
     assert max(held[1:]) <= window // 4 + 2 < total_blocks
     assert outputs[-1].outputs[0].token_ids == reference[3]
     assert engine.kv.num_free_blocks == engine.kv.num_blocks
+
+
+def test_a_tied_checkpoint_that_stores_its_own_head_uses_it(checkpoints, tmp_path):
+    """tie_word_embeddings with a distinct lm_head.weight in the file: transformers unties them
+    and uses the stored head; so does poise."""
+    from safetensors.torch import load_file, save_file
+
+    src, _ = checkpoints["qwen2-yarn-tied"]
+    path = tmp_path / "untied"
+    shutil.copytree(src, path)
+    weights = load_file(path / "model.safetensors")
+    embed = weights["model.embed_tokens.weight"]
+    weights["lm_head.weight"] = embed + 0.2 * torch.randn_like(embed)
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    reference = _reference(path)
+    assert reference != checkpoints["qwen2-yarn-tied"][1]  # the stored head changes the output
+    llm = LLM(path, dtype="float32")
+    sp = SamplingParams(temperature=0, max_tokens=MAX_NEW, min_tokens=MAX_NEW)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], sp)
+    assert [o.outputs[0].token_ids for o in outs] == reference

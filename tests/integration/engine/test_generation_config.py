@@ -120,10 +120,11 @@ def test_llm_takes_the_files_defaults_when_given_no_sampling_params(case, caplog
         llm = LLM(case.model)
     assert f"temperature=0.0, repetition_penalty={PENALTY}, max_tokens={MAX_NEW}" in caplog.text
     defaults = llm.get_default_sampling_params()
+    # max_tokens stays unset: the intake applies the file's max_new_tokens within the context.
     assert (defaults.temperature, defaults.repetition_penalty, defaults.max_tokens) == (
         0.0,
         PENALTY,
-        MAX_NEW,
+        None,
     )
     out = llm.generate([{"prompt_token_ids": PROMPT}])[0].outputs[0]
     assert out.token_ids == case.stopped  # greedy, penalised, and stopped by the file's eos
@@ -164,6 +165,20 @@ def test_max_length_bounds_requests_without_max_tokens(case, tmp_path):
     assert len(llm.generate(prompt, unset)[0].outputs[0].token_ids) == 4
     given = SamplingParams(temperature=0, max_tokens=9, ignore_eos=True)
     assert len(llm.generate(prompt, given)[0].outputs[0].token_ids) == 9
+
+
+def test_max_new_tokens_is_a_default_capped_by_the_context(case, tmp_path):
+    """A file's max_new_tokens longer than what the context leaves is a cap, not an error."""
+    model = tmp_path / "long_default"
+    shutil.copytree(case.model, model)
+    (model / "generation_config.json").write_text(json.dumps({"max_new_tokens": 100_000}))
+    llm = LLM(model, max_model_len=len(PROMPT) + 6)
+    unset = SamplingParams(temperature=0, max_tokens=None, ignore_eos=True)
+    out = llm.generate([{"prompt_token_ids": PROMPT}], unset)[0].outputs[0]
+    assert len(out.token_ids) == 6 and out.finish_reason == "length"
+    defaults = llm.get_default_sampling_params()
+    assert defaults.max_tokens is None
+    assert len(llm.generate([{"prompt_token_ids": PROMPT}])[0].outputs[0].token_ids) <= 6
 
 
 # ----- the HTTP server -----
@@ -239,3 +254,20 @@ def test_server_with_none_takes_no_defaults_but_stops_at_the_files_eos(case, tmp
         assert stopped["usage"]["completion_tokens"] == len(case.stopped)
     finally:
         server.stop()
+
+
+def test_server_honours_min_p_from_the_request(auto_server):
+    """min_p=1 keeps only the most likely token: sampling at any temperature is then greedy."""
+    common = {"repetition_penalty": 1.0, "max_tokens": 12, "ignore_eos": True}
+    greedy = _complete(auto_server, temperature=0, **common)
+    for seed in (1, 2, 3):
+        kept = _complete(auto_server, temperature=1.5, seed=seed, min_p=1.0, **common)
+        assert kept["choices"][0]["text"] == greedy["choices"][0]["text"]
+    free = [
+        _complete(auto_server, temperature=1.5, seed=s, min_p=0.0, **common)["choices"][0]["text"]
+        for s in (1, 2, 3)
+    ]
+    assert any(text != greedy["choices"][0]["text"] for text in free)
+    r = _post(auto_server, "/v1/completions", prompt="x", min_p=1.5)
+    assert r.status_code == 400
+    assert r.json()["error"]["param"] == "min_p"

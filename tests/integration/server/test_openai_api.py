@@ -253,3 +253,17 @@ def test_one_json_log_line_per_request_with_timings_and_no_text(server):
     assert stream["stream"] and stream["status"] == 200 and stream["output_tokens"] == 3
     assert any(x["status"] == 400 for x in got.values())
     assert "a private prompt" not in server.log_path.read_text(errors="replace")
+
+
+def test_a_chat_template_of_the_requests_own_needs_the_servers_trust(client):
+    """A template is code run on the server: by default a request may only name the model's."""
+    messages = [{"role": "user", "content": "hi"}]
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(
+            model="m",
+            messages=messages,
+            max_tokens=1,
+            extra_body={"chat_template": "{% for i in range(10**9) %}{% endfor %}"},
+        )
+    assert _error(info.value)["param"] == "chat_template"
+    assert client.chat.completions.create(model="m", messages=messages, max_tokens=1).choices

@@ -31,11 +31,17 @@ SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
     "llama": {"max_position_embeddings": 2048, "rms_norm_eps": 1e-6},
     "mistral": {"max_position_embeddings": 131072, "rms_norm_eps": 1e-6, "sliding_window": 4096},
-    "qwen2": {"max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "max_window_layers": 28},
+    "qwen2": {
+        "max_position_embeddings": 32768,
+        "rms_norm_eps": 1e-6,
+        "max_window_layers": 28,
+        "sliding_window": 4096,  # used only with use_sliding_window
+    },
     "qwen3": {
         "max_position_embeddings": 32768,
         "rms_norm_eps": 1e-6,
         "max_window_layers": 28,
+        "sliding_window": 4096,
         "head_dim": 128,
     },
     "phi3": {
@@ -63,6 +69,7 @@ REFUSED_KEYS: dict[str, tuple[str, tuple[Any, ...]]] = {
     "no_rope_layers": ("layers without rotary embeddings are not implemented", (None,)),
 }
 LAYER_TYPES = ("full_attention", "sliding_attention")
+_KV_HEADS_DEFAULT = {"mistral": 8, "qwen2": 32, "qwen3": 32}
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,7 +131,9 @@ class ModelConfig:
         hidden = get.int("hidden_size")
         heads = get.int("num_attention_heads")
         layers = get.int("num_hidden_layers")
-        kv_heads = get.int("num_key_value_heads", heads if family != "mistral" else 8)
+        # Absent, transformers takes its class default: the head count for Llama and Phi-3,
+        # but a fixed 8 (Mistral) or 32 (Qwen2, Qwen3), which the weights then have to fit.
+        kv_heads = get.int("num_key_value_heads", _KV_HEADS_DEFAULT.get(family, heads))
         head_dim = get.int("head_dim", hidden // heads)
         mpe = get.int("max_position_embeddings")
         attention_bias = bool(raw.get("attention_bias", False)) and family in ("llama", "qwen3")
@@ -251,20 +260,20 @@ def _ropes(
     theta = raw.get("rope_theta", 10000.0)
     partial = raw.get("partial_rotary_factor")
     declared = raw.get("layer_types") or []
-    nested = [k for k in source if k in declared]
+    nested = sorted(k for k in source if k in declared or k in LAYER_TYPES)
     if nested:
-        missing = sorted(set(layer_types) - set(nested))
-        if missing:
-            raise ModelLoadError(f"config.json 'rope_parameters' has no entry for {missing}")
-        per_type = {t: _rope_dict(raw, family, source[t], theta, partial) for t in nested}
-    else:
-        one = _rope_dict(raw, family, source, theta, partial)
-        per_type = dict.fromkeys(set(layer_types), one)
+        # transformers 5 runs per-layer-type rotary settings only for the families that define
+        # them (Gemma 3, ...), none of which poise runs; for these it ignores or fails on them.
+        raise ModelLoadError(
+            f"config.json 'rope_parameters' per layer type ({', '.join(nested)}) is not "
+            f"supported for {family}"
+        )
+    one = _rope_dict(raw, family, source, theta, partial)
+    per_type = dict.fromkeys(set(layer_types), one)
     specs: list[RopeSpec] = []
     index: dict[str, int] = {}
     for t, params in sorted(per_type.items()):
-        where = f"rope_parameters.{t}" if nested else "rope_parameters"
-        spec = RopeSpec.parse(params, head_dim, mpe, where)
+        spec = RopeSpec.parse(params, head_dim, mpe)
         if family not in ("phi3",) and spec.rotary_dim != head_dim:
             raise ModelLoadError(
                 f"config.json 'partial_rotary_factor' is not supported for {family} "

@@ -119,11 +119,13 @@ class LlamaForCausalLM(nn.Module):
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         fused = self._fused_slices()
+        tied_head: torch.Tensor | None = None
         for hf_name, tensor in weights:
             name = hf_name.removeprefix("model.")
             if "rotary_emb" in name:
                 continue
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                tied_head = tensor  # kept only if it is not the embedding (below)
                 continue
             parts = name.split(".")
             target, offset, size = name, None, None
@@ -143,6 +145,12 @@ class LlamaForCausalLM(nn.Module):
                 )
             dest.copy_(tensor)
             loaded.add(name)
+        if tied_head is not None and not torch.equal(tied_head, self.embed_tokens.weight.data):
+            # transformers does not tie what the checkpoint stores apart: neither does poise.
+            if tied_head.shape != self.embed_tokens.weight.shape:
+                raise ModelLoadError(f"lm_head.weight has shape {tuple(tied_head.shape)}")
+            weight = self.embed_tokens.weight
+            self.lm_head.weight = nn.Parameter(tied_head.to(weight.device, weight.dtype).clone())
         missing = [n for n in self.expected_hf_names() if n not in loaded]
         if missing:
             shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")

@@ -209,11 +209,15 @@ class RopeSpec:
         if kind == "linear":
             return self._base_inv_freq(self.theta) / float(p["factor"])
         if kind == "dynamic":
+            # In float32 tensors, as transformers computes it from a tensor sequence length.
             mpe = self.max_position_embeddings
-            seq = max(seq_len or mpe, mpe)
+            if seq_len is None or seq_len <= mpe:
+                return self._base_inv_freq(self.theta)  # transformers' table until it grows
+            seq = torch.tensor(seq_len)
             factor, dim = float(p["factor"]), self.rotary_dim
             base = self.theta * ((factor * seq / mpe) - (factor - 1)) ** (dim / (dim - 2))
-            return self._base_inv_freq(base)
+            exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+            return 1.0 / (base**exponents)
         if kind == "llama3":
             return _llama3(self._base_inv_freq(self.theta), p)
         if kind == "yarn":
