@@ -239,6 +239,8 @@ def _defaults(raw: Mapping[str, Any], source: str) -> SamplingDefaults:
     )
     if defaults.max_length is not None and defaults.max_length < 1:
         raise ModelLoadError(f"{source}: max_length must be at least 1, got {max_length}")
+    if defaults.max_tokens is not None and defaults.max_tokens < 1:
+        raise ModelLoadError(f"{source}: max_new_tokens must be at least 1, got {max_new_tokens}")
     try:
         defaults.sampling_params()  # the same ranges a request is held to
     except InvalidRequestError as exc:

@@ -2,13 +2,14 @@
 
 ``AutoTokenizer.from_pretrained`` does not simply run ``tokenizer.json``. It picks a tokenizer
 class from ``tokenizer_config.json`` and ``config.json`` (a few tables and exceptions decide), and
-some classes rebuild the pipeline around the file's vocabulary (``Qwen2Tokenizer``: NFC and its
-own split pattern). Special tokens the config names but the file lacks are added after the
-vocabulary, in a fixed order, as are ``added_tokens_decoder`` entries (at the next free ids, not
-the ids the config gives). ``add_bos_token``/``add_eos_token`` are dropped beside a
-``tokenizer.json`` (its post-processor decides) but rebuild the post-processor of a tokenizer
-handed over as an object. This module repeats those steps with the same ``tokenizers`` calls, so
-ids come out identical; a class whose rules it does not repeat refuses the model at load.
+some classes rebuild the pipeline around the file's vocabulary (``hf_rebuilds`` repeats those of
+``Qwen2Tokenizer``, ``GPT2Tokenizer``, ``LlamaTokenizer`` and ``GemmaTokenizer``). Special tokens
+the config names but the file lacks are added after the vocabulary, in a fixed order, as are
+``added_tokens_decoder`` entries (at the next free ids, not the ids the config gives).
+``add_bos_token``/``add_eos_token`` are dropped beside a ``tokenizer.json`` (its post-processor
+decides) but rebuild the post-processor of a tokenizer handed over as an object. This module
+repeats those steps with the same ``tokenizers`` calls, so ids come out identical; a class whose
+rules it does not repeat refuses the model at load.
 """
 
 from __future__ import annotations
@@ -19,10 +20,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
+from tokenizers import AddedToken, processors
 from tokenizers import Tokenizer as HFTokenizer
 
 from poise.engine.errors import ModelLoadError
+from poise.engine.hf_rebuilds import QWEN2, REBUILDS, rebuild
 
 
 def _words(text: str) -> frozenset[str]:
@@ -42,11 +44,6 @@ _NAMED_TOKENS = (
 _AS_FILE = frozenset(
     {"TokenizersBackend", "PreTrainedTokenizer", "PreTrainedTokenizerFast", "BloomTokenizer"}
 )
-_QWEN2 = "Qwen2Tokenizer"
-_QWEN2_SPLIT = (
-    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
-    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
-)
 # From transformers 5.25's AutoTokenizer tables, the parts that choose between the classes above.
 # Model types whose registered class is TokenizersBackend: a hub class that differs is ignored.
 _BACKEND_MODEL_TYPES = _words(
@@ -62,10 +59,10 @@ _BACKEND_MODEL_TYPES = _words(
     vipllava voxtral voxtral_realtime xlm-roberta-xl"""
 )
 _QWEN2_MODEL_TYPES = _words(
-    """audioflamingo3 colqwen2 cosmos3_omni dots3_note fun_asr_nano hunyuan_vl internvl
+    """audioflamingo3 colqwen2 cosmos3_omni dots3_note fun_asr_nano hunyuan_vl internvl lighton_ocr
     llava_onevision1_5 moss_transcribe_diarize ovis2 qianfan_ocr qwen2 qwen2_5_omni qwen2_5_vl
     qwen2_audio qwen2_moe qwen2_vl qwen3 qwen3_asr qwen3_moe qwen3_next qwen3_omni_moe qwen3_vl
-    qwen3_vl_moe"""
+    qwen3_vl_moe vibevoice"""
 )
 # Model types whose hub tokenizer_class transformers overrides with its registered one.
 _HUB_CLASS_IGNORED = _words(
@@ -76,7 +73,23 @@ _HUB_CLASS_IGNORED = _words(
     qwen3_5_moe_text qwen4_exp siglip2 smolvlm step3_vl vipllava"""
 )
 _OTHER_REGISTERED = {
-    "hyperclovax_vision_v2": "GPT2Tokenizer",
+    **dict.fromkeys(
+        _words(
+            """blip-2 codegen dbrx emu3 gpt2 gpt_neo gptj hyperclovax_vision_v2 instructblip
+            instructblipvideo jais2 opt phi starcoder2"""
+        ),
+        "GPT2Tokenizer",
+    ),
+    "idefics": "LlamaTokenizer",
+    "idefics2": "LlamaTokenizer",
+    **dict.fromkeys(
+        _words(
+            """diffusion_gemma gemma gemma2 gemma3 gemma3_text gemma3n gemma3n_text
+            recurrent_gemma shieldgemma2 t5gemma zaya"""
+        ),
+        "GemmaTokenizer",
+    ),
+    "code_llama": "CodeLlamaTokenizer",
     "qwen3_5": "Qwen3_5Tokenizer",
     "qwen3_5_moe": "Qwen3_5Tokenizer",
     "qwen3_5_moe_text": "Qwen3_5Tokenizer",
@@ -90,7 +103,7 @@ def _registered(model_type: str | None) -> str | None:
     if model_type in _BACKEND_MODEL_TYPES:
         return "TokenizersBackend"
     if model_type in _QWEN2_MODEL_TYPES:
-        return _QWEN2
+        return QWEN2
     return _OTHER_REGISTERED.get(model_type or "")
 
 
@@ -339,39 +352,6 @@ def _set_post_processor(
     )
 
 
-def _qwen2_backend(
-    tokenizer_json: dict[str, Any], post_processor: Any, add_prefix_space: Any
-) -> HFTokenizer:
-    """The pipeline Qwen2Tokenizer builds around tokenizer.json's vocabulary and merges."""
-    model = tokenizer_json.get("model") or {}
-    if model.get("type") != "BPE" or not isinstance(model.get("vocab"), dict):
-        raise ModelLoadError("Qwen2Tokenizer needs a BPE tokenizer.json")
-    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model["merges"]]
-    backend = HFTokenizer(
-        models.BPE(
-            vocab=model["vocab"],
-            merges=merges,
-            dropout=None,
-            unk_token=None,
-            continuing_subword_prefix="",
-            end_of_word_suffix="",
-            fuse_unk=False,
-            byte_fallback=False,
-        )
-    )
-    backend.decoder = decoders.ByteLevel()
-    backend.normalizer = normalizers.NFC()
-    backend.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(_QWEN2_SPLIT), behavior="isolated", invert=False),
-            pre_tokenizers.ByteLevel(add_prefix_space=bool(add_prefix_space), use_regex=False),
-        ]
-    )
-    if post_processor is not None:
-        backend.post_processor = post_processor
-    return backend
-
-
 # Settings that change tokenization in ways poise does not reproduce.
 _REFUSED_SETTINGS = ("fast_tokenizer_files", "fix_mistral_regex")
 
@@ -405,20 +385,21 @@ def build(
     name, why = resolve_tokenizer_class(
         config, model_type, config_class, byte_level='"ByteLevel"' in text
     )
-    if name not in ("TokenizersBackend", _QWEN2):
+    if name != "TokenizersBackend" and name not in REBUILDS:
         raise ModelLoadError(
             f"{why}: poise tokenizes only as transformers' TokenizersBackend (tokenizer.json as "
-            f"it is) and Qwen2Tokenizer do, and cannot reproduce {name}"
+            f"it is) and {', '.join(REBUILDS)} do, and cannot reproduce {name}"
         )
     kw = _init_kwargs(config, files)
     explicit_bos_eos = "add_bos_token" in kw or "add_eos_token" in kw
-    if name == _QWEN2:
-        for key in ("unk_token", "eos_token", "pad_token"):
-            kw.setdefault(key, "<|endoftext|>")
+    padding = backend.padding
+    if name in REBUILDS:
+        for key, value in REBUILDS[name].defaults.items():
+            kw.setdefault(key, value)
         if files is not None:  # a file is rebuilt; an object is taken as it is
-            backend = _qwen2_backend(
-                files.parsed, backend.post_processor, kw.get("add_prefix_space")
-            )
+            backend = rebuild(name, files.parsed, backend.post_processor, kw)
+    if padding is not None:  # TokenizersBackend.__init__ takes the pad token of the padding
+        kw.setdefault("pad_token", padding["pad_token"])
     decoder = kw.pop("added_tokens_decoder")
     named, extras = _special_tokens(kw)
     _add_special_tokens(backend, decoder, named, extras)
@@ -426,7 +407,7 @@ def build(
         _set_post_processor(
             backend, named, bool(kw.get("add_bos_token")), bool(kw.get("add_eos_token"))
         )
-    if name == _QWEN2:
+    if name == QWEN2:
         texts = dict.fromkeys(str(t) for t in [*named.values(), *extras] if t is not None)
         backend.add_tokens([AddedToken(t, special=True) for t in texts])
     backend.encode_special_tokens = bool(kw.get("split_special_tokens", False))

@@ -203,10 +203,13 @@ def _build(name: str, root: Path, tokenizer_dir: Path) -> Path:
 
 
 def _reference(path: Path) -> list[list[int]]:
-    """Each prompt alone through a freshly loaded model: dynamic rope keeps state across calls."""
+    """Each prompt alone, as transformers generates it; dynamic rope keeps state from one call
+    to the next in transformers, so that case gets a freshly loaded model per prompt."""
     out = []
+    hf = None
     for prompt in PROMPTS:
-        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        if hf is None or "dynamic" in path.name:
+            hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         ids = torch.tensor([prompt])
         ids = hf.generate(
             ids,
@@ -230,8 +233,18 @@ def checkpoints(tmp_path_factory, llama_dir) -> dict[str, tuple[Path, list[list[
     return built
 
 
-@pytest.mark.parametrize("setup", list(SETUPS))
-@pytest.mark.parametrize("case", list(CASES))
+# PyTorch's attention path differs from the native kernel's only in how it reads the cache:
+# windows and length-dependent rotations are where it has something of its own to get right.
+MATRIX = [
+    (case, setup)
+    for case in CASES
+    for setup in SETUPS
+    if setup != "pytorch-attention"
+    or any(key in case for key in ("window", "dynamic", "longrope", "phi3"))
+]
+
+
+@pytest.mark.parametrize(("case", "setup"), MATRIX)
 def test_greedy_matches_transformers(checkpoints, case, setup):
     path, reference = checkpoints[case]
     llm = LLM(path, dtype="float32", **SETUPS[setup])

@@ -62,7 +62,8 @@ def test_a_single_eos_id_a_mapping_and_no_file(tmp_path):
     gc = load_generation_config({"eos_token_id": 7, "max_new_tokens": 40}, "auto", label="gguf")
     assert gc.eos_token_ids == (7,)
     assert gc.defaults.max_tokens == 40
-    assert gc.defaults.sampling_params().max_tokens == 40
+    # Left unset in the params: the intake applies it, capped by what the context leaves.
+    assert gc.defaults.sampling_params().max_tokens is None
     assert gc.source == "gguf"
     empty = load_generation_config(tmp_path, "auto")
     assert empty.eos_token_ids == () and empty.defaults == SamplingDefaults()
