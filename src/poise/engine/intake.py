@@ -78,6 +78,15 @@ class RequestFactory:
         if isinstance(prompt, str):
             text: str | None = prompt
             ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+            if ids and max(ids) >= lim.vocab_size:
+                # A tokenizer with added tokens past the model's embeddings: the model has no
+                # row for them, and feeding one would fail the whole batch's step.
+                raise InvalidRequestError(
+                    f"the prompt holds token {max(ids)} "
+                    f"({self.tokenizer.decode([max(ids)], skip_special_tokens=False)!r}), "
+                    f"which this model's vocabulary of {lim.vocab_size} does not have",
+                    param="prompt",
+                )
         else:
             text, ids = None, list(prompt)
             if any(not isinstance(t, int) or not 0 <= t < lim.vocab_size for t in ids):

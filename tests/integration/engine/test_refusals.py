@@ -123,3 +123,16 @@ def test_server_exits_nonzero_before_listening(llama_dir, tmp_path, kind):
     assert "serving" not in proc.stdout  # it never got as far as announcing a URL
     with socket.socket() as s:  # nor left anything listening
         assert s.connect_ex(("127.0.0.1", port)) != 0
+
+
+def test_text_that_tokenizes_past_the_embeddings_is_a_400_not_a_failed_batch(model_dirs):
+    """transformers' Qwen2Tokenizer adds <|endoftext|> after the test model's 1024 rows."""
+    from poise import SamplingParams
+    from poise.engine.errors import InvalidRequestError
+
+    llm = LLM(model_dirs["qwen2"])
+    vocab = llm.engine.model.config.vocab_size
+    assert llm.engine.tokenizer.encode("<|endoftext|>", add_special_tokens=False)[0] >= vocab
+    with pytest.raises(InvalidRequestError, match="vocabulary"):
+        llm.generate(["a <|endoftext|> b"], SamplingParams(max_tokens=2))
+    assert llm.generate(["a b"], SamplingParams(max_tokens=2))[0].outputs[0].token_ids
