@@ -27,6 +27,7 @@ from transformers import (
     Qwen3Config,
 )
 
+from conftest import TINY_HF_CONFIG
 from poise import LLM, SamplingParams
 
 MAX_NEW = 20
@@ -36,18 +37,7 @@ PROMPTS = [
     [1, *range(100, 160)],  # longer than every window and rotary threshold below
     [1, *range(100, 160), *range(300, 320)],  # shares 61 tokens with the one before
 ]
-SMALL = {
-    "vocab_size": 512,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "initializer_range": 0.1,
-    # The ids of the copied tokenizer's own BOS and EOS, so both sides ban the same EOS.
-    "bos_token_id": 0,
-    "eos_token_id": 1,
-}
+SMALL = {**TINY_HF_CONFIG, "vocab_size": 512}
 LONGROPE_SHORT = [1.0 + 0.05 * i for i in range(4)]
 LONGROPE_LONG = [1.5 + 0.5 * i for i in range(4)]
 

@@ -19,6 +19,7 @@ import torch
 from safetensors.torch import load_file
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
 
+from conftest import LLAMA3_SCALING
 from ggufwriter import write_gguf
 from poise.engine.errors import ModelLoadError
 from poise.engine.models.gguf_container import read_header
@@ -28,13 +29,6 @@ from poise.modelgen.corpus import tokenizer_corpus
 from poise.modelgen.make_model import make_model
 
 ARCHS = ("llama", "llama_bias", "qwen2", "qwen3", "phi3")
-LLAMA3_SCALING = {
-    "rope_type": "llama3",
-    "factor": 8.0,
-    "low_freq_factor": 1.0,
-    "high_freq_factor": 4.0,
-    "original_max_position_embeddings": 256,
-}
 TEXTS = [
     "Hello world",
     "  leading spaces, trailing ones  ",

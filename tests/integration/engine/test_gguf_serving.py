@@ -10,6 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Phi3Config, Qwen3Config
 
+from conftest import TINY_HF_CONFIG
 from ggufwriter import write_gguf
 from poise import LLM, SamplingParams
 
@@ -21,17 +22,7 @@ TEXTS = [
     "the if statement, and how exceptions are raised and caught.",
 ]
 MAX_NEW = 16
-SMALL = {
-    "vocab_size": 1024,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "initializer_range": 0.1,
-    "bos_token_id": 0,
-    "eos_token_id": 1,
-}
+SMALL = TINY_HF_CONFIG
 
 
 def _transformers_dir(root: Path, name: str, config, tokenizer_dir: Path) -> Path:
