@@ -27,8 +27,8 @@ from transformers import (
     Qwen3Config,
 )
 
-from conftest import TINY_HF_CONFIG
 from poise import LLM, SamplingParams
+from testconfigs import TINY_HF_CONFIG
 
 MAX_NEW = 20
 PROMPTS = [

@@ -19,7 +19,6 @@ import torch
 from safetensors.torch import load_file
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
 
-from conftest import LLAMA3_SCALING
 from ggufwriter import write_gguf
 from poise.engine.errors import ModelLoadError
 from poise.engine.models.gguf_container import read_header
@@ -27,6 +26,7 @@ from poise.engine.models.gguf_file import find_gguf, iter_gguf_weights, read_ggu
 from poise.engine.models.gguf_tokenizer import tokenizer_from_metadata
 from poise.modelgen.corpus import tokenizer_corpus
 from poise.modelgen.make_model import make_model
+from testconfigs import LLAMA3_SCALING
 
 ARCHS = ("llama", "llama_bias", "qwen2", "qwen3", "phi3")
 TEXTS = [

@@ -10,9 +10,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Phi3Config, Qwen3Config
 
-from conftest import TINY_HF_CONFIG
 from ggufwriter import write_gguf
 from poise import LLM, SamplingParams
+from testconfigs import TINY_HF_CONFIG
 
 TEXTS = [
     "The import system",
