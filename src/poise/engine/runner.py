@@ -120,11 +120,12 @@ class ModelRunner:
         )
 
     def _prefill_chunk(
-        self, s: ScheduledSequence, token_start: int, window: int | None
+        self, s: ScheduledSequence, slots: torch.Tensor, token_start: int, window: int | None
     ) -> PrefillChunk:
+        """``slots``: the cache slots of positions [0, start + n); the window reads a suffix."""
         n, start = len(s.token_ids), s.start_position
         lo = max(0, start - window + 1) if window is not None else 0
-        context = self._slots(s.block_table, lo, start + n)
+        context = slots[lo:]
         mask = None
         if start or (window is not None and n > window):
             q_pos = torch.arange(start, start + n).unsqueeze(1)
@@ -139,6 +140,7 @@ class ModelRunner:
         self,
         decodes: list[ScheduledSequence],
         prefills: list[ScheduledSequence],
+        prefill_slots: list[torch.Tensor],
         window: int | None,
     ) -> AttentionView:
         per_bucket = len(decodes) if self.decode_kernel is not None else DECODE_BUCKET
@@ -148,8 +150,8 @@ class ModelRunner:
         ]
         chunks: list[PrefillChunk] = []
         offset = len(decodes)
-        for s in prefills:
-            chunks.append(self._prefill_chunk(s, offset, window))
+        for s, slots in zip(prefills, prefill_slots, strict=True):
+            chunks.append(self._prefill_chunk(s, slots, offset, window))
             offset += len(s.token_ids)
         return AttentionView(buckets, chunks)
 
@@ -170,10 +172,12 @@ class ModelRunner:
                     ]
                 )
             )
+        prefill_slots: list[torch.Tensor] = []  # each prefill's slots from position 0
         for s in prefills:
             n, start = len(s.token_ids), s.start_position
             positions.append(torch.arange(start, start + n))
-            writes.append(self._slots(s.block_table, start, start + n))
+            prefill_slots.append(self._slots(s.block_table, 0, start + n))
+            writes.append(prefill_slots[-1][start:])
         flat_positions = torch.cat(positions)
         rope_lens = seq_lens = None
         if self.model.rope_length_dependent:
@@ -198,7 +202,7 @@ class ModelRunner:
             slot_mapping=torch.cat(writes).to(self.device),
             rope_lens=rope_lens,
             seq_lens=seq_lens,
-            views={w: self._view(decodes, prefills, w) for w in self.windows},
+            views={w: self._view(decodes, prefills, prefill_slots, w) for w in self.windows},
             block_size=self.block_size,
             decode_kernel=self.decode_kernel,
             logits_indices=torch.tensor(logits_at, dtype=torch.long, device=self.device),

@@ -12,7 +12,7 @@ import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import safe_open
@@ -20,6 +20,9 @@ from safetensors import safe_open
 from poise.engine.errors import ModelLoadError
 from poise.engine.models.config import ModelConfig
 from poise.engine.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from poise.engine.models.gguf_file import GGUFCheckpoint
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,6 +32,8 @@ class Checkpoint:
     config: ModelConfig
     generation_config: dict[str, Any] = field(default_factory=dict)
     gguf: Path | None = None  # set for a GGUF checkpoint
+    # Its metadata, read once: the tokenizer is built from it without parsing the file again.
+    gguf_metadata: GGUFCheckpoint | None = None
 
     @property
     def model_dir(self) -> Path:
@@ -63,7 +68,7 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
 
         ckpt = read_gguf(gguf)
         config = ModelConfig.from_dict(ckpt.config)
-        return Checkpoint(gguf, ckpt.config, config, ckpt.generation_config, gguf)
+        return Checkpoint(gguf, ckpt.config, config, ckpt.generation_config, gguf, ckpt)
     if not path.is_dir():
         raise ModelLoadError(f"{path} is neither a model directory nor a .gguf file")
     raw = _read_json(path / "config.json", required=True)
@@ -74,11 +79,9 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
 def load_tokenizer(model: str | Path | Checkpoint) -> Tokenizer:
     """The checkpoint's tokenizer: its files beside the weights, or a GGUF's metadata."""
     ckpt = model if isinstance(model, Checkpoint) else open_checkpoint(model)
-    if ckpt.gguf is None:
+    parts = ckpt.gguf_metadata
+    if parts is None:
         return Tokenizer(ckpt.path)
-    from poise.engine.models.gguf_file import read_gguf
-
-    parts = read_gguf(ckpt.gguf)
     return Tokenizer.from_parts(
         parts.tokenizer,
         parts.tokenizer_config,
