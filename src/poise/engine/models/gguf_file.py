@@ -315,6 +315,22 @@ def _config(gguf: _Opened) -> dict[str, Any]:
 
 
 def _rope_scaling(gguf: _Opened) -> dict[str, Any] | None:
+    scaling = _rope_scaling_by_type(gguf)
+    # Metadata that changes the rotation is honoured where poise's rope has the knob (the
+    # attention factor of LongRoPE and YaRN) and refused by name elsewhere, never dropped.
+    attn_factor = gguf.float_or(_ROPE.SCALING_ATTN_FACTOR)
+    if attn_factor is not None:
+        if scaling is not None and scaling["rope_type"] in ("longrope", "yarn"):
+            scaling.setdefault("attention_factor", attn_factor)
+        elif attn_factor != 1.0:
+            raise ModelLoadError(f"{_ROPE.SCALING_ATTN_FACTOR} = {attn_factor} is not supported")
+    log_mul = gguf.float_or(_ROPE.SCALING_YARN_LOG_MUL)
+    if log_mul not in (None, 0.0):
+        raise ModelLoadError(f"{_ROPE.SCALING_YARN_LOG_MUL} = {log_mul} is not supported")
+    return scaling
+
+
+def _rope_scaling_by_type(gguf: _Opened) -> dict[str, Any] | None:
     kind = gguf.value(_ROPE.SCALING_TYPE)
     factor = gguf.float_or(_ROPE.SCALING_FACTOR)
     if kind is None and (legacy := gguf.float_or("{arch}.rope.scale_linear")) not in (None, 1.0):
