@@ -137,8 +137,16 @@ def _add_serve_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--max-waiting-requests", type=int)
     p.add_argument("--max-waiting-tokens", type=int)
-    p.add_argument("--max-queue-wait-s", type=float, help="refuse what would queue longer")
-    p.add_argument("--default-timeout-s", type=float, help="deadline of requests without one")
+    p.add_argument(
+        "--max-queue-wait-s",
+        type=float,
+        help="refuse what is predicted to queue longer (default 0.5; 0: no such bound)",
+    )
+    p.add_argument(
+        "--default-timeout-s",
+        type=float,
+        help="deadline of requests without one (default 600; 0: none)",
+    )
     p.add_argument("--no-admission-control", action="store_true")
     p.add_argument("--watchdog-stall-s", type=float)
     p.add_argument("--probe-timeout-s", type=float)

@@ -84,7 +84,7 @@ class Replica:
                 enabled=settings.admission_control,
                 max_waiting_requests=settings.max_waiting_requests,
                 max_waiting_tokens=settings.max_waiting_tokens,
-                max_queue_wait_s=settings.max_queue_wait_s,
+                max_queue_wait_s=settings.max_queue_wait_s or None,
             ),
             clock,
             # A lambda, not the bound method: the engine replaces its stats after every step.
@@ -216,7 +216,7 @@ class Replica:
     def deadline_from(self, header_ms: str | None) -> float | None:
         budget = deadline_budget_s(header_ms)
         if budget is None:
-            budget = self.settings.default_timeout_s
+            budget = self.settings.default_timeout_s or None
         return None if budget is None else self.clock() + budget
 
     def prepare(
