@@ -25,9 +25,9 @@
     retry: {max_retries: 2, base_s: 0.05, cap_s: 2, budget_ratio: 0.2, budget_min_concurrent: 3}
     breaker: {failure_rate: 0.5, slow_call_rate: 0.8, slow_call_s: 10, min_calls: 10, open_s: 10}
     ejection: {consecutive_failures: 5, base_s: 30, max_s: 300, max_ejected_share: 0.5}
-    health: {interval_s: 2, timeout_s: 2, healthy_after: 2, unhealthy_after: 2}
+    health: {interval_s: 0.5, timeout_s: 1, healthy_after: 2, unhealthy_after: 2}
     admission: {max_inflight_per_backend: 64, max_backend_waiting: 64, max_queue: 512,
-                queue_ttl_s: 30}                # a queue, best priority first, when saturated
+                queue_ttl_s: 0.5}               # a queue, best priority first, when saturated
     rate_limits: {redis_url: redis://127.0.0.1:6379/0}   # shared by every gateway; optional
     autoscale: {target_latency_s: 2, safety_factor: 1.2, min_replicas: 1, max_replicas: 8,
                 scale_down_window_s: 120}      # the advice on /autoscale and in /metrics
@@ -124,8 +124,9 @@ class EjectionSettings(_Strict):
 
 
 class HealthSettings(_Strict):
-    interval_s: float = Field(default=2.0, gt=0)
-    timeout_s: float = Field(default=2.0, gt=0)
+    # A stopped backend is out after two unanswered rounds: within about 3 s.
+    interval_s: float = Field(default=0.5, gt=0)
+    timeout_s: float = Field(default=1.0, gt=0)
     healthy_after: int = Field(default=2, ge=1)
     unhealthy_after: int = Field(default=2, ge=1)
     generate_probe: bool = True  # poise backends: a real one-token generation
@@ -143,7 +144,9 @@ class AdmissionSettings(_Strict):
     max_backend_waiting: float = Field(default=64, ge=0)  # a backend reporting more is full
     max_kv_usage: float = Field(default=0.98, gt=0, le=1)
     max_queue: int = Field(default=512, ge=0)
-    queue_ttl_s: float = Field(default=30.0, gt=0)
+    # The queueing share of a chat user's 1 s time-to-first-token, as a replica's own
+    # max_queue_wait_s: what cannot get through sooner is refused (429) while it can go elsewhere.
+    queue_ttl_s: float = Field(default=0.5, gt=0)
 
 
 class AutoscaleSettings(_Strict):

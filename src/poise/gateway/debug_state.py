@@ -27,6 +27,7 @@ def gateway_state(gw: Gateway) -> dict[str, Any]:
                     "weight": b.settings.weight,
                     "healthy": b.healthy,
                     "checked": b.checked,
+                    "draining": b.retired,  # out of routing: drained or no longer discovered
                     "breaker": b.breaker.state.value,
                     "ejected": pool.outliers.is_ejected(b.url),
                     "inflight": b.inflight,
@@ -41,6 +42,7 @@ def gateway_state(gw: Gateway) -> dict[str, Any]:
         models[name] = {
             "backends": backends,
             "eligible": [b.url for b in pool.eligible()],
+            "panic": pool.in_panic,  # nothing passes every check: routing to all that may serve
             "ejections_total": pool.outliers.ejections_total,
             "queue": {"waiting": len(gate.line), "admitted": gate.admitted},
             "capacity": gate.capacity(),

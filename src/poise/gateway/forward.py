@@ -18,10 +18,12 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import random
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import aiohttp
 from opentelemetry import trace
@@ -45,6 +47,7 @@ class Attempt:
     tried: list[Backend] = field(default_factory=list)
     retries: int = 0
     last_error: str | None = None
+    overloaded: bool = False  # the last attempt was refused for load (429)
     span: trace.Span | None = None  # the request's span: each attempt is a child of it
 
 
@@ -54,7 +57,7 @@ class Timeouts:
     first_byte_s: float
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)  # hashed by identity: a key of Backend.movable
 class Upstream:
     """A committed upstream response: status, headers, and (for streams) its open body."""
 
@@ -129,14 +132,26 @@ class Forwarder:
             if upstream is not None:
                 return upstream
             # Not acceptable and nothing sent yet: retry if the policy, deadline and budget allow.
+            if journey.overloaded:
+                # A backend that refused for load said so at once, so that the request can go
+                # to another now. When every backend has refused, the client hears it now too,
+                # with Retry-After: waiting here would only spend its time-to-first-token.
+                untried = [b for b in pool.eligible() if b not in journey.tried]
+                if not untried:
+                    raise _give_up(journey, retry_after)
             delay = self.policy.delay_s(
-                journey.retries, self.rng, retry_after, deadline - self.clock()
+                journey.retries,
+                self.rng,
+                None if journey.overloaded else retry_after,
+                deadline - self.clock(),
             )
             if delay is None:
-                raise _give_up(journey)
+                raise _give_up(journey, retry_after)
+            if journey.overloaded:
+                delay = 0.0  # to another backend, which has not refused: no backoff owed
             if not self.budget.try_retry():
                 self.on_budget_exhausted()
-                raise _give_up(journey)
+                raise _give_up(journey, retry_after)
             journey.retries += 1
             try:
                 await asyncio.sleep(delay)
@@ -155,6 +170,7 @@ class Forwarder:
         journey: Attempt,
     ) -> tuple[Upstream | None, float | None]:
         """(upstream, None) when acceptable; (None, retry_after) when worth retrying."""
+        journey.overloaded = False
         if backend.settings.model is not None:
             body = _renamed(body, backend.settings.model)
         sent_headers = {**headers, DEADLINE_HEADER: str(max(1, int(left_s * 1000)))}
@@ -186,6 +202,8 @@ class Forwarder:
         backend.inflight += 1
         outcome = Outcome(self, pool, backend, started, span)
         response: aiohttp.ClientResponse | None = None
+        cut = _CutOff(asyncio.current_task())
+        backend.movable[cut] = cut.fire
         try:
             async with asyncio.timeout(left_s):
                 response = await self.session.post(
@@ -194,7 +212,9 @@ class Forwarder:
                 status = response.status
                 if status != 200 or not stream:
                     data = await response.read()
+                    cut.armed = False
                     response.release()
+                    journey.overloaded = status == 429
                     if status in RETRYABLE_STATUS:
                         outcome.done("overloaded" if status == 429 else "error")
                         journey.last_error = f"{status} from {backend.url}: {_message(data)}"
@@ -203,6 +223,7 @@ class Forwarder:
                     return Upstream(status, _pass_headers(response), data, backend=backend), None
                 chunks = response.content.iter_any()
                 first = await anext(chunks, b"")
+                cut.armed = False
                 if not first:
                     raise aiohttp.ServerDisconnectedError("the stream ended before its first chunk")
                 return (
@@ -224,11 +245,44 @@ class Forwarder:
             outcome.done("timeout" if isinstance(exc, TimeoutError) else "connect_error")
             journey.last_error = f"{type(exc).__name__} from {backend.url}: {exc}"
             return None, None
-        except BaseException:  # cancelled: the client left; no verdict on the backend
+        except asyncio.CancelledError:
+            if response is not None:
+                response.close()
+            if not cut.fired or cut.task is None or cut.task.uncancel() > 0:
+                outcome.abandon()  # the client left: no verdict on the backend
+                raise
+            # Cut off: the health checks found the backend dead while this waited on it.
+            outcome.done("timeout")
+            journey.last_error = f"{backend.url} stopped answering its health checks"
+            return None, None
+        except BaseException:
             if response is not None:
                 response.close()
             outcome.abandon()
             raise
+        finally:
+            cut.armed = False
+            backend.movable.pop(cut, None)
+
+
+class _CutOff:
+    """How an attempt still waiting for its backend's answer is cut off when that backend is
+    found dead: its task is cancelled, and the attempt tells that cancellation from the
+    client's by ``fired``. Armed only while the attempt awaits the backend, so a cancellation
+    always lands inside the attempt's own ``try``."""
+
+    __slots__ = ("armed", "fired", "task")
+
+    def __init__(self, task: asyncio.Task[Any] | None) -> None:
+        self.task = task
+        self.armed = task is not None
+        self.fired = False
+
+    def fire(self) -> None:
+        if self.armed and self.task is not None:
+            self.armed = False
+            self.fired = True
+            self.task.cancel()
 
 
 class Outcome:
@@ -277,14 +331,15 @@ class Outcome:
         self.backend.breaker.release()
 
 
-def _give_up(journey: Attempt) -> APIError:
+def _give_up(journey: Attempt, retry_after: float | None = None) -> APIError:
     why = journey.last_error or "the backends failed"
-    if why.startswith("429"):
+    if journey.overloaded:
+        wait = max(1, math.ceil(retry_after or 1.0))  # the backend's own advice, if it gave one
         return APIError(
             429,
             f"every backend is overloaded ({why})",
             code="overloaded",
-            headers={"Retry-After": "1"},
+            headers={"Retry-After": str(wait)},
         )
     return APIError(
         502,

@@ -5,6 +5,10 @@ runs a real one-token generation that skips the queue, so the verdict is about t
 not about how busy it is - and reads ``/metrics`` for the load the router uses (waiting and
 running requests, KV usage, under vLLM's names, which poise and vLLM both export). A backend is
 marked down after ``unhealthy_after`` failed rounds and up after ``healthy_after`` good ones.
+A probe that does not answer within ``timeout_s`` is a failed round: a port that accepts
+connections is not health. With the defaults (a round every 0.5 s, 1 s to answer, two failed
+rounds) a stopped backend is out within about 3 s, and the work waiting on it is cut off then
+(``Backend.cut_off``) so that it moves to another backend instead of waiting on a dead one.
 """
 
 from __future__ import annotations
@@ -92,6 +96,7 @@ async def watch(
     cfg: HealthSettings,
     on_probe: Callable[[Backend, bool], None],
     clock: Callable[[], float] = time.monotonic,
+    on_down: Callable[[Backend], None] = lambda backend: None,
 ) -> None:
     while True:
         ok = await check_once(client, backend, cfg, clock)
@@ -99,4 +104,6 @@ async def watch(
         changed = apply(backend, ok, cfg)
         if changed is not None:
             log.warning("backend %s is now %s", backend.url, "up" if changed else "down")
+            if not changed:
+                on_down(backend)
         await asyncio.sleep(cfg.interval_s)

@@ -1,7 +1,14 @@
 """A model's pool of backends and the choice of one for each attempt.
 
 Eligible: marked healthy by the active checks, not ejected by outlier detection, breaker not
-open. Among those, power of two choices on load: the gateway's own requests in flight plus the
+open. When no backend passes all of these, the pool routes in panic, as Envoy does below its
+panic threshold: to every backend whose breaker lets calls through. Health checks and ejection
+are evidence about one backend judged alone; when they have taken out every backend, they are
+more likely wrong (probes timing out while a restarted neighbour loads on the same cores) than
+all the backends dead, and a request sent to a dead one fails over in milliseconds, where
+"no healthy backend" fails it for sure. So the last live backend never leaves rotation.
+
+Among those, power of two choices on load: the gateway's own requests in flight plus the
 waiting requests the backend itself reports (its ``/metrics``), scaled by weight; a backend whose
 report is stale counts as busy, since silence is not evidence of idleness.
 
@@ -46,6 +53,18 @@ class Backend:
     load: ReportedLoad = field(default_factory=ReportedLoad)
     source: str | None = None  # the DNS name it was discovered from; None: listed
     retired: bool = False  # no longer discovered: out of routing, gone once idle
+    # Work in flight here that can move elsewhere without the client noticing (attempts still
+    # waiting for their first byte, streams that can be resumed), each with how to cut it off:
+    # when the health checks find the backend dead, that work should not wait for it.
+    movable: dict[object, Callable[[], None]] = field(default_factory=dict)
+
+    def cut_off(self) -> int:
+        """Cut off the movable work in flight here; how much there was."""
+        cuts = list(self.movable.values())
+        self.movable.clear()
+        for cut in cuts:
+            cut()
+        return len(cuts)
 
     @property
     def url(self) -> str:
@@ -105,16 +124,28 @@ class Pool:
         return gone
 
     def eligible(self, exclude: frozenset[Backend] = frozenset()) -> list[Backend]:
-        return [
-            b
-            for b in self.backends
-            if b not in exclude
-            and not b.retired
+        """The backends new attempts may go to (less ``exclude``); in panic, see above."""
+        trusted = [b for b in self.backends if self.trusted(b)]
+        if trusted:
+            return [b for b in trusted if b not in exclude]
+        return [b for b in self.panic_set() if b not in exclude]
+
+    def trusted(self, b: Backend) -> bool:
+        """Every check passes: healthy, not ejected, breaker closed, not out elsewhere."""
+        return (
+            not b.retired
             and b.healthy
             and not self.outliers.is_ejected(b.url)
             and b.breaker.allows()
             and not self.out_remotely(b.url)
-        ]
+        )
+
+    def panic_set(self) -> list[Backend]:
+        return [b for b in self.backends if not b.retired and b.breaker.allows()]
+
+    @property
+    def in_panic(self) -> bool:
+        return not any(self.trusted(b) for b in self.backends) and bool(self.panic_set())
 
     def out_remotely(self, url: str) -> bool:
         until = self._remote_out.get(url)
@@ -132,8 +163,8 @@ class Pool:
         if backend is None or until <= self.clock():
             return False
         known = self.out_remotely(url)
-        eligible = self.eligible()
-        if not known and backend in eligible and len(eligible) <= 1:
+        trusted = [b for b in self.backends if self.trusted(b)]
+        if not known and backend in trusted and len(trusted) <= 1:
             return False
         self._remote_out[url] = max(until, self._remote_out.get(url, 0.0))
         return not known

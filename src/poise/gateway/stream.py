@@ -106,11 +106,17 @@ async def relay(
         current = upstream
         assert current.outcome is not None
         done = ok = False
+        movable = current.backend is not None and resume is not None
         try:
             async for batch in _batches(current, idle_s):
                 if not position.noted and not batch.startswith(TOKEN_NOTE_PREFIX):
                     yield batch  # not a poise stream: passed on as it came, whole events
                     continue
+                if movable and current.backend is not None and current.response is not None:
+                    # Resumable from here: if its backend is found dead, the relay should
+                    # not wait for stream_idle_s; closing the response breaks the read now.
+                    current.backend.movable[current] = current.response.close
+                    movable = False
                 # A poise stream: strip the notes, keep the position, watch for its end. The
                 # batch goes out in one piece; only a read from the backend can break it.
                 out: list[bytes] = []
@@ -167,6 +173,8 @@ async def relay(
                 len(position.token_ids),
             )
         finally:
+            if current.backend is not None:
+                current.backend.movable.pop(current, None)
             current.close(reusable=ok)
             if ok:
                 current.outcome.done("ok")

@@ -87,6 +87,15 @@ def test_the_replica_s_probes_ports_and_drain_agree_with_poise():
     assert pod["terminationGracePeriodSeconds"] >= pre_stop + drain + 5
     # The served name is the model the gateway asks for.
     assert parsed.served_model_name == "demo"
+    # Overload protection as poise serve ships it: nothing in the manifest turns it off.
+    assert not parsed.no_admission_control
+    assert parsed.max_queue_wait_s is None and parsed.default_timeout_s is None
+    env = {e["name"] for e in c.get("env", [])}
+    assert not env & {
+        "POISE_MAX_QUEUE_WAIT_S",
+        "POISE_DEFAULT_TIMEOUT_S",
+        "POISE_ADMISSION_CONTROL",
+    }
 
 
 def test_the_gateway_s_config_is_valid_and_finds_the_replicas_through_dns():
@@ -101,6 +110,9 @@ def test_the_gateway_s_config_is_valid_and_finds_the_replicas_through_dns():
     assert backend.url.port == headless["spec"]["ports"][0]["port"]
     assert settings.rate_limits.redis_url is not None
     assert "poise-redis" in settings.rate_limits.redis_url
+    # Failover and overload settings as the gateway ships them (what poise up runs too).
+    assert settings.health == GatewaySettings.model_fields["health"].default
+    assert settings.admission == GatewaySettings.model_fields["admission"].default
     gw = by_kind(objs, "Deployment", "poise-gateway")
     assert gw["spec"]["replicas"] >= 2
     pod = gw["spec"]["template"]["spec"]

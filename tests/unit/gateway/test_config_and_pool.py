@@ -54,8 +54,35 @@ def test_ineligible_backends_are_skipped_and_tried_ones_avoided():
     assert {pool.pick() for _ in range(20)} == {c}
     # Excluding the only eligible one still returns it rather than nothing.
     assert pool.pick(exclude=frozenset({c})) is c
+    assert not pool.in_panic
+    # Health checks take out the last one too: the pool routes in panic to every backend whose
+    # breaker lets calls through, never answering "no healthy backend" while one might serve.
     c.healthy = False
+    assert pool.in_panic
+    assert {pool.pick() for _ in range(40)} == {a, c}
+    assert pool.pick(exclude=frozenset({a})) is c
+    # As soon as one is trusted again, only it is routed to.
+    a.healthy = True
+    assert not pool.in_panic
+    assert {pool.pick() for _ in range(20)} == {a}
+    # Breakers open everywhere: nothing may be called.
+    for backend in (a, c):
+        for _ in range(10):
+            backend.breaker.acquire()
+            backend.breaker.record(False, 0.1)
     assert pool.pick() is None
+
+
+def test_ejection_and_health_together_never_empty_the_pool():
+    clock = Clock()
+    pool = Pool("m", settings(2), clock, random.Random(0))
+    a, b = pool.backends
+    a.healthy = False  # the killed replica, found dead by its health checks
+    for _ in range(5):  # the survivor's consecutive failures would eject it
+        pool.outliers.record(b.url, False)
+    assert pool.outliers.is_ejected(b.url)
+    assert pool.in_panic
+    assert set(pool.eligible()) == {a, b}
 
 
 def test_prefix_affinity_is_sticky_unless_much_busier():
