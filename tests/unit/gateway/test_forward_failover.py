@@ -15,7 +15,7 @@ from aiohttp import web
 
 from poise.gateway.config import GatewaySettings
 from poise.gateway.forward import Attempt, Forwarder, Timeouts
-from poise.gateway.pool import Backend, Pool
+from poise.gateway.pool import Pool
 from poise.protocol import APIError
 from poise.resilience.retry import RetryBudget, RetryPolicy
 
