@@ -5,6 +5,10 @@ config naming them. A replica that exits is started again on the same port after
 that doubles with each quick death (capped), so a crash loop does not spin; the gateway's
 health checks and breakers keep traffic away from it meanwhile. Ctrl-C or SIGTERM stops the
 gateway first (no new work), then the replicas (which drain), each by its pid.
+
+Scaling down, a replica leaves the gateway's rotation first (``/admin/backends/drain``), and
+only then gets its SIGTERM, so no new request meets it draining; scaling up, it is started and
+restored (``/admin/backends/restore``), and enters routing once a health check passes.
 """
 
 from __future__ import annotations
@@ -30,6 +34,9 @@ from poise.config import http_url
 RESTART_BASE_S = 1.0
 RESTART_CAP_S = 30.0
 STABLE_AFTER_S = 30.0  # a replica up this long has its backoff reset
+TAKE_OUT_S = 5.0  # scale-down waits this long for the gateway to take a replica out
+SETTLE_S = 2.0  # of which up to this long for the gateway's requests on it to end
+RESTORE_EVERY_S = 1.0  # a restore the gateway did not take is asked again this often
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -64,6 +71,7 @@ class Child:
     env: dict[str, str] | None = None  # None: this process's environment
     log_path: Path | None = None  # None: output to this process's
     wanted: bool = True  # False: scaled down; not started, not started again
+    restore_pending: bool = False  # scaled up, but the gateway has not put it back yet
 
     def start(self) -> None:
         if self.log_path is None:
@@ -131,6 +139,41 @@ def replica_env(replicas: int) -> dict[str, str]:
     return env
 
 
+@dataclass(frozen=True)
+class GatewayAdmin:
+    """The gateway's ``/admin/backends`` routes, as ``poise up`` uses them."""
+
+    url: str
+    model: str
+    api_key: str | None = None
+
+    def call(self, action: str, backend: str, within_s: float, **extra: float) -> dict[str, Any]:
+        """POST ``/admin/backends/<action>`` for ``backend``, tried again until it answers or
+        ``within_s`` passes; its answer, or RuntimeError saying why there is none."""
+        end = time.monotonic() + within_s
+        headers = {} if self.api_key is None else {"authorization": f"Bearer {self.api_key}"}
+        body = {"model": self.model, "url": backend, **extra}
+        why = "no time to ask"
+        while (left := end - time.monotonic()) > 0:
+            try:
+                r = httpx.post(
+                    f"{self.url}/admin/backends/{action}", json=body, headers=headers, timeout=left
+                )
+            except httpx.HTTPError as exc:
+                why = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            else:
+                if r.status_code == 200:
+                    answer: dict[str, Any] = r.json()
+                    return answer
+                why = f"{r.status_code}: {r.text[:200]}"
+                if (
+                    r.status_code < 500
+                ):  # refused (a key, an unknown backend): asking again is no use
+                    break
+            time.sleep(min(0.2, max(0.0, end - time.monotonic())))
+        raise RuntimeError(why)
+
+
 @dataclass
 class LocalDeployment:
     """Replicas and a gateway on loopback, as child processes, kept up by ``supervise``.
@@ -143,6 +186,8 @@ class LocalDeployment:
     gateway: Child
     url: str
     config_path: Path
+    admin: GatewayAdmin | None = None  # None: scaling does not tell the gateway
+    _next_restore: float = 0.0
 
     @classmethod
     def create(
@@ -172,7 +217,6 @@ class LocalDeployment:
             "host": host,
             "port": port,
             "models": {model_name: {"backends": [{"url": f"http://127.0.0.1:{p}"} for p in ports]}},
-            "health": {"interval_s": 1.0, "timeout_s": 2.0},
             **(gateway_settings or {}),
         }
         cfg_path = Path(tempfile.mkdtemp(prefix="poise-up-")) / "gateway.yaml"
@@ -182,7 +226,10 @@ class LocalDeployment:
             [sys.executable, "-m", "poise.cli", "gateway", "--config", str(cfg_path)],
             log_path=None if log_dir is None else log_dir / "gateway.log",
         )
-        return cls(children, ports, gateway, http_url(host, port), cfg_path)
+        url = http_url(host, port)
+        keys = config.get("keys") or []
+        key = next((k["key"] for k in keys if isinstance(k, dict) and k.get("key")), None)
+        return cls(children, ports, gateway, url, cfg_path, GatewayAdmin(url, model_name, key))
 
     @property
     def replica_urls(self) -> list[str]:
@@ -199,8 +246,12 @@ class LocalDeployment:
     def running(self) -> list[Child]:
         return [c for c in self.replicas if c.wanted]
 
+    def replica_url(self, child: Child) -> str:
+        return self.replica_urls[self.replicas.index(child)]
+
     def scale_to(self, n: int) -> list[str]:
-        """Start replicas, or drain the newest (SIGTERM: they finish what they hold)."""
+        """Start replicas and put them back in the gateway's rotation, or drain the newest:
+        out of the gateway's rotation first, then SIGTERM (they finish what they hold)."""
         said = []
         wanted = self.running()
         for child in self.replicas:
@@ -211,12 +262,56 @@ class LocalDeployment:
                 child.start()
                 wanted.append(child)
                 said.append(f"{child.name} started (scale up to {n})")
+                child.restore_pending = True
+                said += self._restore(child, TAKE_OUT_S, say_failure=True)
         for child in reversed(wanted[n:]):
             child.wanted = False
+            child.restore_pending = False
+            said.append(self._take_out(child))
             if child.proc is not None and child.proc.poll() is None:
                 child.proc.send_signal(signal.SIGTERM)
             said.append(f"{child.name} draining (scale down to {n})")
         return said
+
+    def _gateway_down(self) -> bool:
+        return self.gateway.proc is None or self.gateway.proc.poll() is not None
+
+    def _take_out(self, child: Child) -> str:
+        """Ask the gateway to stop routing to ``child`` and wait, a bounded time, until it
+        has and until what it sent there has ended; a line saying how it went."""
+        if self.admin is None:
+            return f"{child.name}: the gateway is not told; its health checks will notice"
+        if self._gateway_down():
+            return f"{child.name}: the gateway is down; stopping the replica anyway"
+        try:
+            state = self.admin.call("drain", self.replica_url(child), TAKE_OUT_S, wait_s=SETTLE_S)
+        except RuntimeError as exc:
+            return (
+                f"{child.name}: the gateway did not take it out within {TAKE_OUT_S:g}s ({exc}); "
+                "stopping it anyway"
+            )
+        return (
+            f"{child.name} out of the gateway's rotation "
+            f"({state.get('inflight', '?')} request(s) still on it)"
+        )
+
+    def _restore(self, child: Child, within_s: float, say_failure: bool = False) -> list[str]:
+        """Put ``child`` back in the gateway's rotation (its health checks gate it still); one
+        the gateway does not take now is asked again by ``supervise``."""
+        if self.admin is None or not child.restore_pending:
+            child.restore_pending = False
+            return []
+        if self._gateway_down():
+            return []  # asked again by ``supervise``
+        try:
+            self.admin.call("restore", self.replica_url(child), within_s)
+        except RuntimeError as exc:
+            self._next_restore = time.monotonic() + RESTORE_EVERY_S
+            if not say_failure:
+                return []
+            return [f"{child.name}: the gateway did not put it back yet ({exc}); asking again"]
+        child.restore_pending = False
+        return [f"{child.name} back in the gateway's rotation once a health check passes"]
 
     def supervise(self) -> list[str]:
         """Start again whatever exited, after its backoff; what happened, as lines to print."""
@@ -241,6 +336,11 @@ class LocalDeployment:
                 child.next_start = 0.0
                 child.start()
                 said.append(f"{child.name} started again")
+        pending = [c for c in self.replicas if c.wanted and c.restore_pending]
+        if pending and now >= self._next_restore:
+            self._next_restore = now + RESTORE_EVERY_S
+            for child in pending:
+                said += self._restore(child, 0.5)
         return said
 
     def stop(self) -> None:

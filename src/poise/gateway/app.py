@@ -1,7 +1,8 @@
 """The gateway's process: its state (pools, gates, limits, forwarder), routes and lifespan.
 
 What one proxied request goes through is ``proxy``'s business; here are the routes around it
-(models, health, readiness, metrics, version) and what the gateway holds for its whole life.
+(models, health, readiness, metrics, version, the admin routes of ``admin``) and what the
+gateway holds for its whole life.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from poise.asgi import GuardMiddleware
+from poise.gateway import admin
 from poise.gateway.admission import PoolGate
 from poise.gateway.autoscaling import Autoscaling
 from poise.gateway.config import GatewaySettings, KeySettings
@@ -142,8 +144,24 @@ class Gateway:
 
     def _watch(self, backend: Backend) -> None:
         assert self.client is not None
+        pool = self.pools[backend.model]
+
+        def on_down(b: Backend) -> None:
+            # Only when another backend is trusted: in panic the work has nowhere better to go.
+            if any(pool.trusted(other) for other in pool.backends if other is not b):
+                moved = b.cut_off()
+                if moved:
+                    log.warning("moved %d request(s) off %s, which went down", moved, b.url)
+
         self._watchers[backend] = asyncio.create_task(
-            watch(self.client, backend, self.settings.health, self.metrics.probed, self.clock)
+            watch(
+                self.client,
+                backend,
+                self.settings.health,
+                self.metrics.probed,
+                self.clock,
+                on_down,
+            )
         )
 
     def _unwatch(self, backend: Backend) -> None:
@@ -235,7 +253,9 @@ def create_gateway_app(
     @app.get("/ready")
     async def ready() -> JSONResponse:
         # Ready once every model has a backend that an active check has seen serving.
-        serving = {m: sum(b.checked for b in p.eligible()) for m, p in gw.pools.items()}
+        serving = {
+            m: sum(b.checked and p.trusted(b) for b in p.backends) for m, p in gw.pools.items()
+        }
         ok = all(serving.values())
         return JSONResponse(
             {"status": "ready" if ok else "degraded", "eligible_backends": serving},
@@ -256,6 +276,23 @@ def create_gateway_app(
         gw.authenticate(request)  # protected like the API
         return JSONResponse(gateway_state(gw))
 
+    @app.get("/admin/backends")
+    async def admin_backends(request: Request) -> JSONResponse:
+        gw.authenticate(request)  # protected like /debug/state
+        return JSONResponse(admin.backends_state(gw))
+
+    @app.post("/admin/backends/drain")
+    async def admin_drain(request: Request) -> JSONResponse:
+        # Out of routing when this answers; what the backend holds goes on to its end.
+        gw.authenticate(request)
+        return JSONResponse(await admin.drain(gw, admin.parse_ref(await _json(request))))
+
+    @app.post("/admin/backends/restore")
+    async def admin_restore(request: Request) -> JSONResponse:
+        # Back in routing once a health check passes.
+        gw.authenticate(request)
+        return JSONResponse(admin.restore(gw, admin.parse_ref(await _json(request))))
+
     @app.get("/version")
     async def version() -> JSONResponse:
         return JSONResponse({"version": __version__, "role": "gateway"})
@@ -264,6 +301,13 @@ def create_gateway_app(
         ProxiedRoutes(app, make_proxy(gw)), max_body_bytes=settings.max_body_bytes, api_keys=[]
     )
     return front
+
+
+async def _json(request: Request) -> object:
+    try:
+        return await request.json()
+    except ValueError as exc:
+        raise APIError(400, "the body is not valid JSON") from exc
 
 
 PROXIED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})

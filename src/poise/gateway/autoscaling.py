@@ -30,11 +30,14 @@ class ModelScaling:
         self.decision: Decision | None = None
 
     def waiting(self) -> float:
-        reported = sum(b.load.waiting for b in self.gw.pools[self.model].eligible())
+        pool = self.gw.pools[self.model]
+        reported = sum(b.load.waiting for b in pool.backends if pool.trusted(b))
         return len(self.gw.gates[self.model].line) + reported
 
     def tick(self) -> Decision:
-        serving = len(self.gw.pools[self.model].eligible())
+        # Serving: trusted by every check, not merely routed to in panic.
+        pool = self.gw.pools[self.model]
+        serving = sum(pool.trusted(b) for b in pool.backends)
         self.scaler.observe(self.arrived, self.completed, self.waiting(), serving)
         self.decision = self.scaler.decide()
         return self.decision

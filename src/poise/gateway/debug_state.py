@@ -42,6 +42,7 @@ def gateway_state(gw: Gateway) -> dict[str, Any]:
         models[name] = {
             "backends": backends,
             "eligible": [b.url for b in pool.eligible()],
+            "trusted": [b.url for b in pool.backends if pool.trusted(b)],  # every check passes
             "panic": pool.in_panic,  # nothing passes every check: routing to all that may serve
             "ejections_total": pool.outliers.ejections_total,
             "queue": {"waiting": len(gate.line), "admitted": gate.admitted},

@@ -172,10 +172,16 @@ class Replica:
         }
 
     async def probe(self) -> tuple[bool, str]:
-        """A real one-token generation that does not queue behind user work."""
+        """A real one-token generation that does not queue behind user work.
+
+        Fails while draining: the process is alive (liveness, plain ``/health``, still passes)
+        but takes no new work, and a gateway that was not told of the drain should stop
+        routing to it within its probe rounds, not learn it from refused requests."""
         ok, why = self.health()
         if not ok:
             return False, why
+        if self.phase is Phase.DRAINING:
+            return False, "the server is draining and takes no new requests"
         timeout = self.settings.probe_timeout_s
         t0 = self.clock()
         try:

@@ -90,7 +90,7 @@ def test_backends_follow_the_dns_answer_and_a_vanished_one_drains(two_addresses)
             m = httpx.get(url + "/debug/state", timeout=2).json()["models"]["m"]
         except (httpx.HTTPError, ValueError):
             return [], []
-        return [b["url"] for b in m["backends"]], m["eligible"]
+        return [b["url"] for b in m["backends"]], m["trusted"]
 
     def until(predicate, timeout: float = 10.0) -> bool:  # type: ignore[no-untyped-def]
         end = time.monotonic() + timeout
