@@ -161,6 +161,7 @@ class Gateway:
                 self.metrics.probed,
                 self.clock,
                 on_down,
+                pool.latency,
             )
         )
 

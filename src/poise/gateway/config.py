@@ -25,6 +25,7 @@
     retry: {max_retries: 2, base_s: 0.05, cap_s: 2, budget_ratio: 0.2, budget_min_concurrent: 3}
     breaker: {failure_rate: 0.5, slow_call_rate: 0.8, slow_call_s: 10, min_calls: 10, open_s: 10}
     ejection: {consecutive_failures: 5, base_s: 30, max_s: 300, max_ejected_share: 0.5}
+    slow_ejection: {factor: 3, for_s: 1.5, min_tpot_s: 0.05}   # per-token time vs the others'
     health: {interval_s: 0.5, timeout_s: 1, healthy_after: 2, unhealthy_after: 2}
     admission: {max_inflight_per_backend: 64, max_backend_waiting: 64, max_queue: 512,
                 queue_ttl_s: 0.5}               # a queue, best priority first, when saturated
@@ -123,6 +124,19 @@ class EjectionSettings(_Strict):
     jitter_s: float = Field(default=1.0, ge=0)
 
 
+class SlowEjectionSettings(_Strict):
+    """A backend whose time per output token stays ``factor`` times the others' is taken out
+    (``poise.resilience.slow_ejection``); probes let it back once it is fast again."""
+
+    enabled: bool = True
+    factor: float = Field(default=3.0, gt=1)
+    for_s: float = Field(default=1.5, ge=0)
+    min_tpot_s: float = Field(default=0.05, ge=0)  # never for a per-token time below this
+    max_ejected_share: float = Field(default=0.5, ge=0, le=1)
+    base_s: float = Field(default=2.0, gt=0)
+    max_s: float = Field(default=30.0, gt=0)
+
+
 class HealthSettings(_Strict):
     # A stopped backend is out after two unanswered rounds: within about 3 s.
     interval_s: float = Field(default=0.5, gt=0)
@@ -178,6 +192,7 @@ class GatewaySettings(_Strict):
     retry: RetrySettings = RetrySettings()
     breaker: BreakerSettings = BreakerSettings()
     ejection: EjectionSettings = EjectionSettings()
+    slow_ejection: SlowEjectionSettings = SlowEjectionSettings()
     health: HealthSettings = HealthSettings()
     admission: AdmissionSettings = AdmissionSettings()
     rate_limits: RateLimitSettings = RateLimitSettings()

@@ -30,6 +30,8 @@ def gateway_state(gw: Gateway) -> dict[str, Any]:
                     "draining": b.retired,  # out of routing: drained or no longer discovered
                     "breaker": b.breaker.state.value,
                     "ejected": pool.outliers.is_ejected(b.url),
+                    "slow": pool.slow_ejected(b),  # out for its time per token
+                    "latency_cost": round(pool.latency.cost(b.url), 3),
                     "inflight": b.inflight,
                     "reported_load": {
                         "waiting": load.waiting,

@@ -31,6 +31,7 @@ from opentelemetry import trace
 from poise.gateway.pool import Backend, Pool
 from poise.observability.tracing import Tracing
 from poise.protocol import DEADLINE_HEADER, APIError
+from poise.resilience.latency import StreamTimer
 from poise.resilience.retry import RetryBudget, RetryPolicy
 
 log = logging.getLogger("poise.gateway")
@@ -200,7 +201,10 @@ class Forwarder:
             Tracing.inject(sent_headers, span)
         started = self.clock()
         backend.inflight += 1
-        outcome = Outcome(self, pool, backend, started, span)
+        # A stream's first token and the gaps after it time the backend for routing; a whole
+        # answer's duration says more about its length than about the backend.
+        timer = pool.latency.stream(backend.url) if stream else None
+        outcome = Outcome(self, pool, backend, started, span, timer)
         response: aiohttp.ClientResponse | None = None
         cut = _CutOff(asyncio.current_task())
         backend.movable[cut] = cut.fire
@@ -295,9 +299,11 @@ class Outcome:
         backend: Backend,
         started: float,
         span: trace.Span | None = None,
+        timer: StreamTimer | None = None,
     ) -> None:
         self.fwd, self.pool, self.backend, self.started = fwd, pool, backend, started
         self.span = span  # the attempt's; it lasts as long as the attempt, stream included
+        self.timer = timer  # the stream's, fed by the relay
         self.closed = False
 
     def _end_span(self, outcome: str) -> None:
@@ -312,6 +318,8 @@ class Outcome:
             return
         self.closed = True
         self._end_span(outcome)
+        if self.timer is not None:
+            self.timer.close()
         self.backend.inflight -= 1
         # 429 ("overloaded") is a busy backend, not a broken one: it does not count against it.
         failed = outcome in ("error", "timeout", "connect_error")
@@ -327,6 +335,8 @@ class Outcome:
             return
         self.closed = True
         self._end_span("abandoned")
+        if self.timer is not None:
+            self.timer.close()
         self.backend.inflight -= 1
         self.backend.breaker.release()
 

@@ -23,6 +23,7 @@ import httpx
 
 from poise.gateway.config import HealthSettings
 from poise.gateway.pool import Backend
+from poise.resilience.latency import LatencyTracker
 
 log = logging.getLogger("poise.gateway.health")
 
@@ -48,16 +49,22 @@ async def check_once(
     backend: Backend,
     cfg: HealthSettings,
     clock: Callable[[], float] = time.monotonic,
+    latency: LatencyTracker | None = None,
 ) -> bool:
     headers = {}
     if backend.settings.api_key:
         headers["authorization"] = f"Bearer {backend.settings.api_key}"
     try:
         params = {"probe": "generate"} if cfg.generate_probe else None
+        t0 = clock()
         r = await client.get(
             backend.url + "/health", params=params, headers=headers, timeout=cfg.timeout_s
         )
         ok = r.status_code == 200
+        if ok and latency is not None and cfg.generate_probe:
+            # How long a one-token generation took: what lets a backend out for slowness
+            # back in (a plain /health is fast on a slow engine too).
+            latency.observe_probe(backend.url, clock() - t0)
         m = await client.get(backend.url + "/metrics", headers=headers, timeout=cfg.timeout_s)
         if m.status_code == 200:
             load = parse_load(m.text)
@@ -97,9 +104,10 @@ async def watch(
     on_probe: Callable[[Backend, bool], None],
     clock: Callable[[], float] = time.monotonic,
     on_down: Callable[[Backend], None] = lambda backend: None,
+    latency: LatencyTracker | None = None,
 ) -> None:
     while True:
-        ok = await check_once(client, backend, cfg, clock)
+        ok = await check_once(client, backend, cfg, clock, latency)
         on_probe(backend, ok)
         changed = apply(backend, ok, cfg)
         if changed is not None:

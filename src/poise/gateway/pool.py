@@ -9,8 +9,12 @@ all the backends dead, and a request sent to a dead one fails over in millisecon
 "no healthy backend" fails it for sure. So the last live backend never leaves rotation.
 
 Among those, power of two choices on load: the gateway's own requests in flight plus the
-waiting requests the backend itself reports (its ``/metrics``), scaled by weight; a backend whose
-report is stale counts as busy, since silence is not evidence of idleness.
+waiting requests the backend itself reports (its ``/metrics``), scaled by weight and by its
+latency cost (peak EWMA of time to first token and per output token against the pool's median,
+work outstanding included: see ``poise.resilience.latency``), so that a backend gone slow or
+silent loses the choice at once; a backend whose report is stale counts as busy, since silence
+is not evidence of idleness. One whose time per token stays several times the others' is taken
+out (``poise.resilience.slow_ejection``) until its probes say it is fast again.
 
 Prefix affinity: requests whose prompts begin alike carry the same affinity key; rendezvous
 hashing maps a key to one backend among the eligible ones, so the prefix cache there gets the
@@ -21,6 +25,7 @@ when a backend leaves, only its keys move.
 from __future__ import annotations
 
 import hashlib
+import logging
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -28,9 +33,14 @@ from dataclasses import dataclass, field
 from poise.gateway.config import BackendSettings, GatewaySettings
 from poise.resilience.breaker import BreakerConfig, BreakerState, CircuitBreaker
 from poise.resilience.ejection import EjectionConfig, OutlierDetector
+from poise.resilience.latency import LatencyConfig, LatencyTracker
+from poise.resilience.slow_ejection import SlowEjectionConfig, SlowOutlierDetector
+
+log = logging.getLogger("poise.gateway")
 
 STALE_LOAD_PENALTY = 1000.0
 AFFINITY_SLACK = 4.0  # requests in flight by which the affinity choice may exceed the least
+SLOW_UPDATE_S = 0.1  # how often routing re-judges slowness
 
 
 @dataclass(slots=True)
@@ -90,6 +100,13 @@ class Pool:
         self.outliers = OutlierDetector(
             [], EjectionConfig(**settings.ejection.model_dump()), clock, self.rng
         )
+        self.latency = LatencyTracker(LatencyConfig(), clock)
+        slow = settings.slow_ejection
+        self.slow: SlowOutlierDetector | None = None
+        if slow.enabled:
+            knobs = slow.model_dump(exclude={"enabled"})
+            self.slow = SlowOutlierDetector(self.latency, SlowEjectionConfig(**knobs))
+        self._slow_judged_at = -float("inf")
         self.backends: list[Backend] = []
         for bs in settings.models[model].backends:
             if bs.discovery == "static":
@@ -108,6 +125,9 @@ class Pool:
             backend.breaker.on_change = lambda _a, to: on_change(backend, to)
         self.backends.append(backend)
         self.outliers.add(backend.url)
+        self.latency.add(backend.url)
+        if self.slow is not None:
+            self.slow.add(backend.url)
         return backend
 
     def retire(self, backend: Backend) -> None:
@@ -121,10 +141,14 @@ class Pool:
             self.backends.remove(b)
             self.outliers.remove(b.url)
             self._remote_out.pop(b.url, None)
+            if self.slow is not None:
+                self.slow.remove(b.url)
+            self.latency.remove(b.url)
         return gone
 
     def eligible(self, exclude: frozenset[Backend] = frozenset()) -> list[Backend]:
         """The backends new attempts may go to (less ``exclude``); in panic, see above."""
+        self.judge_slowness()
         trusted = [b for b in self.backends if self.trusted(b)]
         if trusted:
             return [b for b in trusted if b not in exclude]
@@ -132,6 +156,10 @@ class Pool:
 
     def trusted(self, b: Backend) -> bool:
         """Every check passes: healthy, not ejected, breaker closed, not out elsewhere."""
+        return self._available(b) and (self.slow is None or not self.slow.is_ejected(b.url))
+
+    def _available(self, b: Backend) -> bool:
+        """Every check but slowness passes."""
         return (
             not b.retired
             and b.healthy
@@ -139,6 +167,29 @@ class Pool:
             and b.breaker.allows()
             and not self.out_remotely(b.url)
         )
+
+    def judge_slowness(self, force: bool = False) -> list[str]:
+        """Eject the backends slow against the others (at most every ``SLOW_UPDATE_S``);
+        the URLs newly ejected."""
+        now = self.clock()
+        if self.slow is None or (not force and now - self._slow_judged_at < SLOW_UPDATE_S):
+            return []
+        self._slow_judged_at = now
+        changes = self.slow.update([b.url for b in self.backends if self._available(b)])
+        for url in changes.returned:
+            self.latency.reset(url)  # back afresh, not with the slowness it left for
+            log.warning("backend %s is fast again: back in rotation", url)
+        for url in changes.ejected:
+            ratio = self.slow.ratio(url)
+            log.warning(
+                "backend %s is slow (%s the others' time per token): out of rotation",
+                url,
+                "?" if ratio is None else f"{ratio:.1f}x",
+            )
+        return changes.ejected
+
+    def slow_ejected(self, b: Backend) -> bool:
+        return self.slow is not None and self.slow.is_ejected(b.url)
 
     def panic_set(self) -> list[Backend]:
         return [b for b in self.backends if not b.retired and b.breaker.allows()]
@@ -175,7 +226,7 @@ class Pool:
         reported = load.waiting + (10.0 if load.kv_usage > 0.95 else 0.0)
         if load.at is not None and self.clock() - load.at > self.stale_after_s:
             reported += STALE_LOAD_PENALTY
-        return (b.inflight + reported) / b.settings.weight
+        return self.latency.cost(b.url) * (b.inflight + reported + 1) / b.settings.weight
 
     def pick(
         self, affinity: bytes | None = None, exclude: frozenset[Backend] = frozenset()

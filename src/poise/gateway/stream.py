@@ -108,8 +108,11 @@ async def relay(
         done = ok = False
         movable = current.backend is not None and resume is not None
         try:
+            timer = current.outcome.timer
             async for batch in _batches(current, idle_s):
                 if not position.noted and not batch.startswith(TOKEN_NOTE_PREFIX):
+                    if timer is not None:
+                        timer.tokens(batch.count(b"data: {"))  # an event a token, about
                     yield batch  # not a poise stream: passed on as it came, whole events
                     continue
                 if movable and current.backend is not None and current.response is not None:
@@ -121,6 +124,7 @@ async def relay(
                 # batch goes out in one piece; only a read from the backend can break it.
                 out: list[bytes] = []
                 broke: str | None = None
+                tokens = 0
                 for event in _split(batch):
                     if event.startswith(TOKEN_NOTE_PREFIX):
                         note, _, event = event.partition(b"\n")
@@ -128,6 +132,7 @@ async def relay(
                         position.noted = True
                         position.token_ids += ids
                         position.text_chars = chars
+                        tokens += len(ids)
                     if event.startswith(_ERROR_EVENT):
                         status, message = _backend_error(event)
                         if status in _RESUMABLE_ERRORS:
@@ -139,6 +144,8 @@ async def relay(
                         head = json.loads(event[6:])
                         position.id, position.created = head.get("id"), head.get("created")
                     out.append(event)
+                if timer is not None:
+                    timer.tokens(tokens)
                 if out:
                     yield b"".join(out)
                 if broke is not None:

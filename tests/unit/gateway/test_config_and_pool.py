@@ -116,3 +116,62 @@ def test_the_first_health_verdict_counts_at_once_later_ones_need_a_streak():
     assert apply(backend, False, cfg) is False and not backend.healthy  # e.g. still loading
     assert apply(backend, True, cfg) is None and not backend.healthy
     assert apply(backend, True, cfg) is True and backend.healthy
+
+
+def test_a_backend_that_stops_answering_loses_the_choice_at_once():
+    clock = Clock()
+    pool = Pool("m", settings(2), clock, random.Random(0))
+    a, b = pool.backends
+    for backend in (a, b):  # both answer their first tokens in 20 ms
+        timer = pool.latency.stream(backend.url)
+        clock.now += 0.02
+        timer.tokens(1)
+        timer.close()
+    assert pool.score(a) == pool.score(b)
+    # a stops: the request just sent to it gets no first token; 0.3 s later its score has
+    # risen as if it were many requests behind, and new requests go to b.
+    stuck = pool.latency.stream(a.url)
+    a.inflight = 1
+    clock.now += 0.3
+    assert pool.score(a) > 5 * pool.score(b)
+    assert all(pool.pick() is b for _ in range(20))
+    stuck.close()
+
+
+def test_a_slow_backend_is_taken_out_and_let_back_by_its_probes():
+    clock = Clock()
+    pool = Pool("m", settings(2), clock, random.Random(0))
+    a, b = pool.backends
+
+    def traffic(seconds: float, tpot: dict) -> None:
+        end = clock.now + seconds
+        while clock.now < end:
+            clock.now += 0.05
+            for backend in (a, b):
+                pool.latency.observe_tpot(backend.url, tpot[backend.url])
+                pool.latency.observe_probe(backend.url, 10 * tpot[backend.url])
+            pool.eligible()
+
+    traffic(3.0, {a.url: 0.01, b.url: 0.01})
+    assert set(pool.eligible()) == {a, b}
+    traffic(4.0, {a.url: 0.26, b.url: 0.01})  # a: every step 250 ms longer
+    assert pool.slow_ejected(a) and pool.eligible() == [b]
+    assert not pool.in_panic
+    # The probes still say it is slow: it stays out past its shortest ejection.
+    traffic(3.0, {a.url: 0.26, b.url: 0.01})
+    assert pool.eligible() == [b]
+    traffic(3.0, {a.url: 0.01, b.url: 0.01})  # recovered
+    assert set(pool.eligible()) == {a, b}
+
+
+def test_slow_ejection_never_takes_the_last_backend_and_can_be_turned_off():
+    clock = Clock()
+    pool = Pool("m", settings(1), clock, random.Random(0))
+    (a,) = pool.backends
+    for _ in range(100):
+        clock.now += 0.05
+        pool.latency.observe_tpot(a.url, 0.5)
+        pool.eligible()
+    assert pool.eligible() == [a] and not pool.slow_ejected(a)
+    off = Pool("m", settings(2, slow_ejection={"enabled": False}), clock, random.Random(0))
+    assert off.slow is None

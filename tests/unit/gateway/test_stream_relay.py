@@ -16,6 +16,7 @@ from poise.protocol import APIError, token_note
 class FakeOutcome:
     def __init__(self) -> None:
         self.result: str | None = None
+        self.timer = None
 
     def done(self, outcome: str) -> None:
         self.result = self.result or outcome
@@ -152,3 +153,31 @@ async def test_a_stalled_stream_is_a_break():
 
     raw = await collect(relay(up, 0.05, resume))
     assert texts(raw) == ["a", "b"]
+
+
+async def test_the_relay_times_the_backend_by_its_tokens():
+    from poise.resilience.latency import LatencyConfig, LatencyTracker
+
+    now = [0.0]
+    tracker = LatencyTracker(LatencyConfig(), lambda: now[0], ["http://b"])
+    parts = [
+        token_note([5], 1) + event("a"),
+        token_note([6, 7], 3) + event("bc"),
+        token_note([8], 4) + event("d", finish="length"),
+        b"data: [DONE]\n\n",
+    ]
+
+    async def chunks():
+        for p in parts[1:]:
+            now[0] += 0.1  # each read 100 ms after the one before
+            yield p
+
+    up = Upstream(200, {}, None, parts[0], chunks(), None, None, FakeOutcome())  # type: ignore[arg-type]
+    now[0] = 0.4  # the first token came 400 ms after the attempt began
+    up.outcome.timer = tracker.stream("http://b")
+    up.outcome.timer.started = 0.0
+    await collect(relay(up, 5.0))
+    assert tracker.ttft("http://b") == pytest.approx(0.4)
+    # Peak EWMA of 50 ms (two tokens in one read) then 100 ms per token: the peak holds.
+    assert tracker.tpot("http://b") == pytest.approx(0.1)
+    assert tracker.tpot_samples("http://b") == 2
