@@ -11,9 +11,9 @@ consecutive starts, counted only while someone was waiting throughout (idle time
 about capacity). Starts come in bursts (one engine step may start several requests, then none
 for a while), so a short-memory average swings low right after a burst; admission acts on
 those lows, which biases it towards taking too much. A plain mean over a few dozen intervals
-is steadier than an exponential one with the same responsiveness. If
-the head of the queue has waited longer than that mean, the wait so far is the better estimate,
-so a stalled engine stops admitting instead of trusting an old, fast rate.
+is steadier than an exponential one with the same responsiveness. A newcomer's wait is at
+least how long the queue has gone without a start, so a stalled engine stops admitting instead
+of trusting an old, fast rate.
 
 Priorities follow vLLM: lower values run first. A request is only queued behind those with a
 value at most its own, so a high-priority request may be admitted when a low-priority one would
@@ -103,7 +103,9 @@ class AdmissionController:
         """Seconds until a group of this priority, arriving now, would start: the more
         pessimistic of the measured start rate and the slot forecast for its last member."""
         ahead = self.ahead(priority)
-        by_rate = ahead * self._interval_estimate() if ahead else 0.0
+        by_rate = (
+            max(ahead * (self.mean_start_interval_s or 0.0), self._stalled_s()) if ahead else 0.0
+        )
         by_slots = self.slot_wait(ahead + group_size) if self.slot_wait is not None else 0.0
         return max(by_slots, by_rate)
 
@@ -165,10 +167,18 @@ class AdmissionController:
 
     # ----- inside -----
     def _interval_estimate(self) -> float:
-        mean = self.mean_start_interval_s or 0.0
+        return max(self.mean_start_interval_s or 0.0, self._stalled_s())
+
+    def _stalled_s(self) -> float:
+        """How long the queue has gone without a start: a lower bound on anyone's wait.
+
+        Not multiplied by the requests ahead: an engine starts the waiting requests of a step
+        together, so a pause between starts says the next batch is late, not that each
+        request ahead will take that long again (which refused work a tiny model would have
+        served in a tenth of the budget)."""
         if self.waiting and self._last_start is not None:
-            return max(mean, self.clock() - self._last_start)
-        return mean
+            return self.clock() - self._last_start
+        return 0.0
 
     def _make_room(self, count: int, tokens: int, priority: int) -> list[Ticket] | None:
         c = self.config

@@ -91,6 +91,24 @@ def test_a_stalled_queue_stops_admitting_deadline_work():
     assert not ac.admit(["c"], [1], deadline=clock.now + 5).admitted
 
 
+def test_starts_that_come_in_batches_do_not_inflate_the_wait():
+    # An engine starts the requests waiting for a step together: four every 150 ms.
+    ac, clock = make(max_queue_wait_s=0.5)
+    n = 0
+    for _ in range(10):
+        keys = [f"r{n + i}" for i in range(4)]
+        n += 4
+        assert ac.admit(keys, [1] * 4).admitted
+        clock.now += 0.15
+        for key in keys:
+            ac.started(key)
+    ac.admit([f"r{n + i}" for i in range(4)], [1] * 4)
+    clock.now += 0.14  # the next batch is due: four ahead, the last start 140 ms ago
+    wait = ac.predicted_wait(0)
+    assert 0.14 <= wait < 0.3  # one batch's time, not four times the pause
+    assert ac.admit(["newcomer"], [1]).admitted
+
+
 def test_disabled_admits_everything():
     ac, _ = make(enabled=False, max_waiting_requests=1)
     assert all(ac.admit([str(i)], [1]).admitted for i in range(5))
