@@ -1,9 +1,12 @@
-"""Overload behaviour of one replica, with admission control on and off.
+"""Overload behaviour of ``poise serve`` (or ``poise up``) as it comes, admission on and off.
 
-1. Capacity: Poisson arrivals at rising rates against a replica without admission control; the
-   capacity is the highest goodput (requests/s meeting TTFT <= 1 s and TPOT <= 100 ms) seen.
-2. Overload: 1x, 2x and 3x that rate for a bounded time, once with admission control (the
-   replica refuses what it predicts would queue past the TTFT budget) and once without.
+1. Capacity: Poisson arrivals at rising rates against the deployment without admission
+   control; the capacity is the highest rate still served within the SLOs (TTFT <= 1 s and
+   TPOT <= 100 ms for >= 99 % of requests).
+2. Overload: 1x, 2x and 3x that rate for a bounded time, once with the defaults (admission by
+   predicted wait is on by default) and once with ``--no-admission-control`` (a FIFO server).
+   No tuning flag is passed: only ``--dtype`` (the model's own is float32) and, with
+   ``--deployment up``, the replica count.
 3. While each overload run lasts, /health, /ready and /metrics are polled and timed.
 
 Prompts are 256 random token ids (no prefix-cache hits), outputs exactly 64 tokens
@@ -11,6 +14,7 @@ Prompts are 256 random token ids (no prefix-cache hits), outputs exactly 64 toke
 and stops by itself; the replica is started and stopped by pid.
 
     python benchmarks/serve_overload.py --model .cache/models/w0 [--duration 30] [--json out.json]
+    python benchmarks/serve_overload.py --deployment up   # a gateway and two replicas
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ class Result:
     ttft_s: float | None = None
     tpot_s: float | None = None
     error: str | None = None
+    retry_after: bool = False  # a refusal that said when to come back
 
     @property
     def good(self) -> bool:
@@ -74,6 +79,7 @@ class RunReport:
     ttft_misses: int  # admitted requests over the TTFT budget
     tpot_misses: int
     reject_p99_ms: float | None
+    refusals_with_retry_after: float | None  # share of the 429s that carried Retry-After
     probe_p99_ms: dict[str, float] = field(default_factory=dict)
     client_lag_p99_ms: float = 0.0  # the load generator's own event-loop lag
     # The replica's own view of a refusal (app entry to 429), as the bucket bound of its p99.
@@ -87,8 +93,11 @@ def pct(values: list[float], q: float) -> float | None:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
-async def one_request(client: aiohttp.ClientSession, url: str, prompt: list[int]) -> Result:
+async def one_request(
+    client: aiohttp.ClientSession, url: str, prompt: list[int], model: str
+) -> Result:
     body = {
+        "model": model,
         "prompt": prompt,
         "max_tokens": OUTPUT_TOKENS,
         "ignore_eos": True,
@@ -106,7 +115,9 @@ async def one_request(client: aiohttp.ClientSession, url: str, prompt: list[int]
         async with client.post(url + "/v1/completions", json=body) as r:
             if r.status != 200:
                 await r.read()
-                return Result(r.status, time.perf_counter() - t0)
+                return Result(
+                    r.status, time.perf_counter() - t0, retry_after="retry-after" in r.headers
+                )
             # Raw bytes, no JSON: the load generator shares two cores with the replica, and
             # every microsecond it spends parsing shows up as latency in its own measurements.
             tail = b""
@@ -146,7 +157,7 @@ async def probe_loop(url: str, stop: asyncio.Event, out: dict[str, list[float]])
 
 
 async def run_load(
-    url: str, label: str, rate: float, duration: float, seed: int, probe: bool
+    url: str, label: str, rate: float, duration: float, seed: int, probe: bool, model: str
 ) -> RunReport:
     rng = random.Random(seed)
     probes: dict[str, list[float]] = {}
@@ -169,7 +180,7 @@ async def run_load(
             if delay > 0:
                 await asyncio.sleep(delay)
             prompt = [rng.randrange(300, 31000) for _ in range(PROMPT_TOKENS)]
-            tasks.append(asyncio.create_task(one_request(client, url, prompt)))
+            tasks.append(asyncio.create_task(one_request(client, url, prompt, model)))
             sent_times.append(t)
         results: list[Result] = await asyncio.gather(*tasks)
         if os.environ.get("POISE_BENCH_DEBUG"):
@@ -208,6 +219,9 @@ async def run_load(
         ttft_misses=sum(1 for t in ttfts if t > TTFT_SLO_S),
         tpot_misses=sum(1 for t in tpots if t > TPOT_SLO_S),
         reject_p99_ms=None if not refused else 1000 * pct([r.latency_s for r in refused], 0.99),
+        refusals_with_retry_after=(
+            None if not refused else sum(r.retry_after for r in refused) / len(refused)
+        ),
         probe_p99_ms={k: pct(v, 0.99) or 0.0 for k, v in probes.items()},
         client_lag_p99_ms=pct(lags, 0.99) or 0.0,
     )
@@ -237,16 +251,39 @@ def bucket_p99_ms(before: dict[float, float], after: dict[float, float]) -> floa
 
 
 class Replica:
-    def __init__(self, model: str, flags: list[str]) -> None:
+    """One ``poise serve``, or with ``replicas`` a ``poise up`` (gateway and replicas)."""
+
+    def __init__(self, model: str, flags: list[str], replicas: int = 0) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = serve_argv(model, self.port, "--log-level", "warning", *flags)
+        self.gateway = replicas > 0
+        self.model = "demo" if self.gateway else Path(model).name
+        if self.gateway:
+            cmd = [sys.executable, "-m", "poise.cli", "up", "--model", model, "--replicas",
+                   str(replicas), "--port", str(self.port), "--serve-flags",
+                   " ".join(["--log-level", "warning", *flags])]  # fmt: skip
+        else:
+            cmd = serve_argv(model, self.port, "--log-level", "warning", *flags)
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=sys.stderr)
         try:
-            wait_ready(self.url + "/ready", self.proc, str, "the replica", 300)
-        except TimeoutError:
+            wait_ready(self.url + "/ready", self.proc, str, "the deployment", 300)
+            if self.gateway:
+                self._wait_routable(replicas)
+        except (TimeoutError, RuntimeError):
             self.stop()
             raise
+
+    def _wait_routable(self, replicas: int) -> None:
+        end = time.monotonic() + 120
+        while time.monotonic() < end:
+            state = httpx.get(self.url + "/debug/state", timeout=5).json()
+            if len(state["models"][self.model]["trusted"]) >= replicas:
+                return
+            time.sleep(0.5)
+        raise TimeoutError("the gateway did not route to every replica")
+
+    def refusals(self) -> dict[float, float]:
+        return {} if self.gateway else refusal_buckets(self.url)
 
     def stop(self) -> None:
         stop_process(self.proc, 60)
@@ -272,18 +309,23 @@ def print_table(capacity: float, peak: float, runs: list[RunReport]) -> None:
         f"{PROMPT_TOKENS}-token prompts, {OUTPUT_TOKENS}-token outputs)"
     )
     head = (
-        f"{'run':<18}{'offered/s':>10}{'goodput/s':>10}{'of peak':>9}{'attain':>8}"
+        f"{'run':<18}{'offered/s':>10}{'goodput/s':>10}{'of 1x':>7}{'attain':>8}"
         f"{'rejected':>9}{'failed':>7}{'TTFT p50':>9}{'TTFT p99':>9}{'TPOT p99':>9}"
-        f"{'reject p99':>11}"
+        f"{'reject p99':>11}{'Retry-After':>12}"
     )
     print(head)
+    one_x: dict[str, float] = {}
     for r in runs:
+        mode = r.label.rsplit(" ", 1)[0]
+        base = one_x.setdefault(mode, r.goodput_rps)  # each mode's first run is its 1x
+        with_hint = r.refusals_with_retry_after
         print(
             f"{r.label:<18}{r.offered_rps:>10.2f}{r.goodput_rps:>10.2f}"
-            f"{100 * r.goodput_rps / peak:>8.0f}%{100 * r.attainment:>7.1f}%"
+            f"{100 * r.goodput_rps / base if base else 0:>6.0f}%{100 * r.attainment:>7.1f}%"
             f"{100 * r.rejected_share:>8.1f}%{r.failed:>7}{fmt(r.ttft_p50_s):>8}s"
             f"{fmt(r.ttft_p99_s):>8}s{fmt(r.tpot_p99_ms, 1, 0):>7}ms"
             f"{fmt(r.reject_p99_ms, 1, 1):>9}ms"
+            f"{'-' if with_hint is None else f'{100 * with_hint:.0f}%':>12}"
         )
     print("\nprobe latency p99 while loaded (ms):")
     for r in runs:
@@ -306,12 +348,17 @@ def main() -> int:
     ap.add_argument("--rates", default="6,8,10,12,14,16,18,20", help="capacity sweep, req/s")
     ap.add_argument("--capacity", type=float, help="skip the sweep and use this rate")
     ap.add_argument(
-        "--max-queue-wait-s",
-        type=float,
-        default=0.4,
-        help="the admission budget for queueing (part of the 1 s TTFT; prefill needs the rest)",
+        "--deployment",
+        choices=["serve", "up"],
+        default="serve",
+        help="one poise serve, or poise up with --replicas replicas behind its gateway",
     )
-    ap.add_argument("--engine-flags", default="--max-num-seqs 32 --max-num-batched-tokens 512")
+    ap.add_argument("--replicas", type=int, default=2, help="with --deployment up")
+    ap.add_argument(
+        "--engine-flags",
+        default="",
+        help="more flags for each poise serve (none by default: the defaults are measured)",
+    )
     ap.add_argument("--modes", default="on,off", help="admission modes to run, in order")
     ap.add_argument("--mults", default="1,2,3", help="overload multiples of the capacity")
     ap.add_argument("--json", type=Path)
@@ -322,17 +369,24 @@ def main() -> int:
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
     engine = ["--dtype", args.dtype, *args.engine_flags.split()]
     off = [*engine, "--no-admission-control"]
-    on = [*engine, "--max-queue-wait-s", str(args.max_queue_wait_s)]
+    on = engine
+    replicas = args.replicas if args.deployment == "up" else 0
 
     sweep: list[RunReport] = []
     if args.capacity is None:
-        replica = Replica(args.model, off)
+        replica = Replica(args.model, off, replicas)
         try:
-            run_async(run_load(replica.url, "warmup", 1.0, 5.0, 99, False))
+            run_async(run_load(replica.url, "warmup", 1.0, 5.0, 99, False, replica.model))
             for i, rate in enumerate(float(r) for r in args.rates.split(",")):
                 rep = run_async(
                     run_load(
-                        replica.url, f"sweep {rate:g}/s", rate, args.sweep_duration, 100 + i, False
+                        replica.url,
+                        f"sweep {rate:g}/s",
+                        rate,
+                        args.sweep_duration,
+                        100 + i,
+                        False,
+                        replica.model,
                     )
                 )
                 sweep.append(rep)
@@ -355,13 +409,13 @@ def main() -> int:
         capacity = peak = args.capacity
 
     runs: list[RunReport] = []
-    modes = {"on": ("admission on", on), "off": ("admission off", off)}
+    modes = {"on": ("defaults", on), "off": ("admission off", off)}
     for mode, flags in (modes[m] for m in args.modes.split(",") if m):
-        replica = Replica(args.model, flags)
+        replica = Replica(args.model, flags, replicas)
         try:
-            run_async(run_load(replica.url, "warmup", 1.0, 5.0, 98, False))
+            run_async(run_load(replica.url, "warmup", 1.0, 5.0, 98, False, replica.model))
             for mult in (float(m) for m in args.mults.split(",")):
-                before = refusal_buckets(replica.url)
+                before = replica.refusals()
                 rep = run_async(
                     run_load(
                         replica.url,
@@ -370,9 +424,10 @@ def main() -> int:
                         args.duration,
                         200 + int(10 * mult),
                         True,
+                        replica.model,
                     )
                 )
-                rep.server_reject_p99_ms = bucket_p99_ms(before, refusal_buckets(replica.url))
+                rep.server_reject_p99_ms = bucket_p99_ms(before, replica.refusals())
                 runs.append(rep)
                 print(
                     f"{rep.label}: goodput {rep.goodput_rps:.2f}/s, attainment "

@@ -57,8 +57,10 @@ def test_the_scenario_loses_nothing_hangs_nothing_and_leaks_nothing(run):
     c, leaks, why = run["counts"], run["leaks"], run["output"][-3000:]
     assert c["lost"] == 0, why
     assert c["hung"] == 0, why
-    assert all(b == 0 for b in leaks["kv_blocks"] if b is not None), why
-    assert all(r == 0 for r in leaks["replica_requests"] if r is not None), why
+    # Every replica answered the check after the load (one that did not fails it) and holds
+    # nothing; nor does the gateway.
+    assert leaks["unreadable"] == [], why
+    assert leaks["kv_blocks"] == [0, 0] and leaks["replica_requests"] == [0, 0], why
     assert leaks["gateway_requests"] == 0, why
     assert run["passed"], why
     assert c["sent"] == sum(c[k] for k in ("completed", "refused", "failed", "hung", "lost",
@@ -86,6 +88,17 @@ def _kill(run: dict[str, Any]) -> None:
     _detected_within(3.0)(run)
     _no_failures(run)
     assert any("replica-0 started again" in text for _, text in run["events"]), run["events"]
+
+
+def _slow(run: dict[str, Any]) -> None:
+    # Latency-aware ejection: the gateway takes the slow replica out of rotation (or opens its
+    # breaker) within 5 s of the fault, and the steady traffic is all served with its TTFT p99
+    # back under the recovery threshold (2x the baseline, at least +100 ms), staying back,
+    # within 10 s of it. The fault holds for 8 s of the 24: the detection is what shows that
+    # the gateway, not the fault's end, did it.
+    assert run["detected_s"] is not None and run["detected_s"] < 5.0, run["output"]
+    assert run["mttr_s"] is not None and run["mttr_s"] < 10.0, run["output"]
+    _no_failures(run)  # slow is not broken: nothing fails for it
 
 
 def _errors(run: dict[str, Any]) -> None:
@@ -128,6 +141,7 @@ def _gateway_restart(run: dict[str, Any]) -> None:
 SIGNATURES = {
     "kill-replica": _kill,
     "hang-replica": _detected_within(5.0),
+    "slow-replica": _slow,
     "error-replica": _errors,
     "step-exception": _no_failures,
     "kv-exhaustion": _kv,

@@ -46,8 +46,11 @@ class SendOptions:
 
     ``retry_connect``: resend while the connection fails before any answer (refused, reset
     before the status line) until the time limit, with a doubling backoff, as the OpenAI SDK
-    does for connection errors. ``abandon_after_s``: close the connection at that time, as a
-    client that gave up would (chaos's disconnect storm).
+    does for connection errors. Each resend counts in ``Record.connect_retries``; one after
+    a connection the server had accepted and then broke (it may have begun the work: a
+    client cannot tell) counts in ``Record.drop_resends`` too, apart from one after a refused
+    connection (nothing was sent). ``abandon_after_s``: close the connection at that time, as
+    a client that gave up would (chaos's disconnect storm).
     """
 
     timeout_s: float = 600.0
@@ -126,6 +129,8 @@ async def _exchange(
                 await asyncio.sleep(backoff)
                 backoff = min(_RETRY_CAP_S, 2 * backoff)
                 record.connect_retries += 1
+                if not refused:
+                    record.drop_resends += 1
                 record.failure = record.error = None
                 continue
             return

@@ -35,6 +35,7 @@ class Record:
     failure: str | None = None
     attempts: int | None = None  # upstream attempts, from a gateway's x-poise-attempt-count
     connect_retries: int = 0  # resends after a connection failed before any answer
+    drop_resends: int = 0  # of those, after an accepted connection broke (not a refused one)
     abandoned: bool = False  # the client walked away on purpose (chaos)
 
     @property

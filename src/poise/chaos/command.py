@@ -6,6 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
+from poise.bench.report import Stats
 from poise.bench.workload import Lengths
 from poise.chaos.report import ChaosReport, Counts
 from poise.chaos.runner import Setup, run_scenario
@@ -51,6 +52,11 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "--plot", type=Path, help="write a timeline PNG per scenario with this path prefix"
     )
     p.add_argument("--work-dir", type=Path, help="logs and configs (default: a temp dir)")
+    p.add_argument(
+        "--gateway-defaults",
+        action="store_true",
+        help="a local deployment's gateway with poise up's settings, not chaos's tighter ones",
+    )
     p.set_defaults(func=main)
 
 
@@ -79,6 +85,7 @@ def main(args: argparse.Namespace) -> int:
             deadline_s=args.deadline,
             seed=args.seed,
             work_dir=None if args.work_dir is None else args.work_dir / name,
+            gateway_defaults=args.gateway_defaults,
         )
         try:
             report = run_scenario(
@@ -104,12 +111,17 @@ def _s(v: float | None, none: str = "-") -> str:
     return none if v is None else f"{v:.1f}s"
 
 
+def _p50_p99(stats: Stats | None) -> str:
+    return "-" if stats is None else f"{1000 * stats.p50:.0f}/{1000 * stats.p99:.0f} ms"
+
+
 def _counts(c: Counts) -> str:
-    ttft = "-" if c.ttft is None else f"{1000 * c.ttft.p50:.0f}/{1000 * c.ttft.p99:.0f} ms"
     return (
-        f"sent {c.sent}, completed {c.completed} ({c.after_retry} after a retry), "
+        f"sent {c.sent}, completed {c.completed} ({c.after_retry} after a retry: {c.resent} "
+        f"resent after a dropped connection, {c.reconnected} after refused ones), "
         f"refused {c.refused}, failed {c.failed}, hung {c.hung}, lost {c.lost}, "
-        f"abandoned {c.abandoned}; TTFT p50/p99 {ttft}"
+        f"abandoned {c.abandoned}; TTFT p50/p99 {_p50_p99(c.ttft)}, "
+        f"end-to-end p50/p99 {_p50_p99(c.e2e)}"
     )
 
 
@@ -146,7 +158,8 @@ def format_report(r: ChaosReport) -> str:
         f"{'availability':<24}"
         + ("-" if r.availability is None else f"{100 * r.availability:.2f} % (formula 1)"),
         f"{'after the load':<24}KV blocks in use {leaks.kv_blocks}, replica requests "
-        f"{leaks.replica_requests}, gateway requests {leaks.gateway_requests}",
+        f"{leaks.replica_requests}, gateway requests {leaks.gateway_requests}"
+        + (f"; replicas {leaks.unreadable} did not answer" if leaks.unreadable else ""),
     ]
     if r.preemptions:
         lines.append(f"{'preemptions':<24}{r.preemptions}")
@@ -174,7 +187,7 @@ def format_table(reports: list[ChaosReport]) -> str:
     rows = [head]
     for r in reports:
         c = r.counts
-        leaked = sum(v or 0 for v in r.leaks.kv_blocks)
+        leaked = "?" if r.leaks.unreadable else sum(v or 0 for v in r.leaks.kv_blocks)
         avail = "-" if r.availability is None else f"{100 * r.availability:.1f}%"
         rows.append(
             f"{r.scenario:<18}{c.sent:>6}{c.completed:>6}{c.after_retry:>6}"

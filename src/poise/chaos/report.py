@@ -4,7 +4,13 @@ Each request ends as exactly one of: completed (some after a retry), refused (42
 explicit "not now"), failed (any other explicit error: a status, an error event, a refused
 connection), hung (no whole answer by its deadline plus a grace), lost (no answer and no
 error: a connection that broke, a stream cut short without an error), or abandoned (its
-client walked away on purpose). Lost and hung must be zero.
+client walked away on purpose). Lost and hung must be zero. Of the completed, those the
+client had to send again are told apart by why: *resent* after a connection the gateway had
+accepted broke before any answer (it may have begun the work; without the client's resend
+the request was lost), *reconnected* after refused connections only (nothing had reached it).
+
+After the load, every replica must answer the leak check and hold nothing: one that cannot be
+read (down, not restarted, not a poise replica) fails it, as a leak that cannot be ruled out.
 
 Recovery looks at the steady traffic only, in windows of send time after the fault: a window
 is healthy when every steady request in it completed with a TTFT p99 within the threshold
@@ -19,6 +25,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import asdict, dataclass, field
+from itertools import zip_longest
 from typing import Any
 
 from poise.bench.report import REJECTED_STATUS, Record, Stats
@@ -51,12 +58,15 @@ class Counts:
     sent: int
     completed: int
     after_retry: int  # completed, but only after the gateway or the client tried again
+    resent: int  # completed after the client resent it: an accepted connection was dropped
+    reconnected: int  # completed after the client resent it: only refused connections
     refused: int
     failed: int
     hung: int
     lost: int
     abandoned: int
     ttft: Stats | None
+    e2e: Stats | None = None  # the completed requests' whole time, request to last byte
 
     @classmethod
     def of(cls, sents: list[Sent]) -> Counts:
@@ -65,24 +75,49 @@ class Counts:
         return cls(
             sent=len(sents),
             after_retry=sum((r.attempts or 1) > 1 or r.connect_retries > 0 for r in done),
+            resent=sum(r.drop_resends > 0 for r in done),
+            reconnected=sum(r.connect_retries > 0 and r.drop_resends == 0 for r in done),
             ttft=Stats.of([r.ttft_s for r in done if r.ttft_s is not None]),
+            e2e=Stats.of([r.e2e_s for r in done if r.e2e_s is not None]),
             **{k: c[k] for k in OUTCOMES},
         )
 
 
 @dataclass(frozen=True, slots=True)
 class Leaks:
-    """What is still held once the load has stopped and every answer is in."""
+    """What is still held once the load has stopped and every answer is in.
 
-    kv_blocks: list[int | None]  # per replica; None: not answering (not a survivor)
+    Per replica, in the order of the replica URLs; None where the replica could not be read
+    (it did not answer, or not as a poise replica): that fails the check, since what it holds
+    is unknown. No replicas at all (a remote run without ``--replica``) leaves the gateway's
+    count alone to judge, and a gateway that cannot be read (not a poise gateway) leaves only
+    the requests' outcomes.
+    """
+
+    kv_blocks: list[int | None]
     replica_requests: list[int | None]
     gateway_requests: int | None
 
+    @classmethod
+    def of(cls, sample: Sample) -> Leaks:
+        return cls(
+            kv_blocks=[r.kv_used_blocks for r in sample.replicas],
+            replica_requests=[r.inflight for r in sample.replicas],
+            gateway_requests=sample.gateway_inflight,
+        )
+
+    @property
+    def unreadable(self) -> list[int]:
+        """The replicas (by index) that did not answer the check."""
+        pairs = zip_longest(self.kv_blocks, self.replica_requests)
+        return [i for i, (kv, inflight) in enumerate(pairs) if kv is None or inflight is None]
+
     @property
     def clean(self) -> bool:
-        held = [*self.kv_blocks, *self.replica_requests, self.gateway_requests]
-        asked = not self.kv_blocks or any(v is not None for v in self.kv_blocks)
-        return all(v in (0, None) for v in held) and asked
+        held = [*self.kv_blocks, *self.replica_requests]
+        return (
+            not self.unreadable and all(v == 0 for v in held) and self.gateway_requests in (0, None)
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,6 +209,8 @@ class ChaosReport:
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["passed"] = self.passed
+        d["leaks"]["unreadable"] = self.leaks.unreadable
+        d["leaks"]["clean"] = self.leaks.clean
         return d
 
 
@@ -319,6 +356,7 @@ def _request_row(s: Sent) -> dict[str, Any]:
         "output_tokens": r.output_tokens,
         "attempts": r.attempts,
         "connect_retries": r.connect_retries,
+        "drop_resends": r.drop_resends,
         "failure": r.failure,
         "error": r.error,
     }

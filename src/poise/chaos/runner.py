@@ -36,7 +36,8 @@ from poise.chaos.scenarios import INTERACTIVE_KEY, KEYS, ChaosError, Plan, Scena
 from poise.launcher import LocalDeployment, free_port
 
 # Tighter than the gateway's defaults, so a fault of a short run is seen within it: every one
-# of these is an ordinary setting a user of the gateway can set the same way.
+# of these is an ordinary setting a user of the gateway can set the same way. ``poise chaos
+# --gateway-defaults`` leaves them out and tests the gateway exactly as ``poise up`` starts it.
 CHAOS_GATEWAY: dict[str, Any] = {
     "timeouts": {"connect_s": 1.0, "first_byte_s": 5.0, "stream_idle_s": 2.0, "total_s": 120.0},
     "health": {"interval_s": 0.5, "timeout_s": 1.0, "healthy_after": 2, "unhealthy_after": 2},
@@ -59,6 +60,7 @@ class Setup:
     settle_s: float = 20.0  # longest wait for the deployment to let go of everything
     seed: int = 0
     work_dir: Path | None = None
+    gateway_defaults: bool = False  # the gateway as poise up configures it, not CHAOS_GATEWAY
 
 
 def secret(key: str) -> str:
@@ -81,8 +83,11 @@ class _Deployed:
         self.events.append((round(time.perf_counter() - self.t0, 3) if self.t0 else 0.0, text))
 
 
-def gateway_settings(scenario: Scenario, redis_url: str | None) -> dict[str, Any]:
-    settings: dict[str, Any] = {**CHAOS_GATEWAY, **scenario.gateway}
+def gateway_settings(
+    scenario: Scenario, redis_url: str | None, defaults: bool = False
+) -> dict[str, Any]:
+    tight = {"log_level": "warning"} if defaults else CHAOS_GATEWAY
+    settings: dict[str, Any] = {**tight, **scenario.gateway}
     if scenario.keyed:
         limit = {"requests_per_minute": 1_000_000} if redis_url else {}
         settings["keys"] = [
@@ -133,7 +138,7 @@ def _local(
             free_port(),
             [*SERVE_FLAGS, *scenario.serve_flags],
             setup.model_name,
-            gateway_settings(scenario, redis.url if redis else None),
+            gateway_settings(scenario, redis.url if redis else None, setup.gateway_defaults),
             log_dir=work,
         )
         deployed = _Deployed(
@@ -172,7 +177,7 @@ def _wait_routable(deployed: _Deployed, replicas: int, api_key: str | None) -> N
             state = httpx.get(
                 deployed.gateway_url + "/debug/state", headers=headers, timeout=2
             ).json()
-            eligible = sum(len(m["eligible"]) for m in state["models"].values())
+            eligible = sum(len(m["trusted"]) for m in state["models"].values())
             if eligible >= max(1, replicas):
                 return
         except (httpx.HTTPError, ValueError, KeyError, TypeError):

@@ -3,7 +3,8 @@
 The gateway's ``/debug/state`` (which backends it would route to, breakers, Redis) and each
 replica's (KV blocks in use, preemptions, requests in flight), plus the gateway's count of
 streams migrated mid-way from ``/metrics``. A target that does not answer (killed, stopped,
-not a poise server) is sampled as down, which is itself what the timeline needs to show.
+not a poise server, a state without the fields read here) is sampled as down, with None for
+what it holds: the timeline shows it so, and the leak check after the run fails on it.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ MIGRATIONS = "poise_gateway_stream_migrations"
 
 @dataclass(slots=True)
 class ReplicaSample:
-    up: bool
+    up: bool  # answered /debug/state as a poise replica; if not, every count below is None
     kv_used_blocks: int | None = None
     preemptions: int | None = None
     inflight: int | None = None
@@ -52,15 +53,18 @@ async def _json(
 
 
 def replica_sample(state: dict[str, Any] | None) -> ReplicaSample:
-    if state is None or state.get("role") != "replica":
+    if not isinstance(state, dict) or state.get("role") != "replica":
         return ReplicaSample(False)
-    kv = state["kv_cache"]
-    return ReplicaSample(
-        True,
-        kv_used_blocks=int(kv["total_blocks"]) - int(kv["free_blocks"]),
-        preemptions=int(state["engine"]["preemptions_total"]),
-        inflight=int(state["inflight_requests"]),
-    )
+    try:
+        kv = state["kv_cache"]
+        return ReplicaSample(
+            True,
+            kv_used_blocks=int(kv["total_blocks"]) - int(kv["free_blocks"]),
+            preemptions=int(state["engine"]["preemptions_total"]),
+            inflight=int(state["inflight_requests"]),
+        )
+    except (KeyError, TypeError, ValueError):
+        return ReplicaSample(False)  # not the state this reads: unreadable, not empty
 
 
 def gateway_sample(t: float, state: dict[str, Any] | None) -> Sample:

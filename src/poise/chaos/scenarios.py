@@ -197,7 +197,6 @@ SCENARIOS: dict[str, Scenario] = {
             target=None,
             detect="none",
             keyed=True,
-            serve_flags=("--max-queue-wait-s", "2"),
             # The gateway holds the line (replicas keep short queues), so priority decides.
             gateway={
                 "admission": {

@@ -18,7 +18,7 @@ from poise.chaos.report import (
     recovery_time,
     worst_p99,
 )
-from poise.chaos.sampler import ReplicaSample, Sample
+from poise.chaos.sampler import ReplicaSample, Sample, replica_sample
 from poise.chaos.scenarios import Plan, Traffic
 
 PLAN = Plan.of(duration_s=30.0, rate=4.0, capacity=10.0)
@@ -57,6 +57,23 @@ def test_counts_tell_a_retried_answer_from_a_first_try_one():
     sents[2].record.connect_retries = 1
     c = Counts.of(sents)
     assert (c.sent, c.completed, c.after_retry, c.hung, c.lost) == (4, 3, 2, 1, 0)
+
+
+def test_a_resend_after_a_dropped_connection_is_told_from_one_after_a_refused_one():
+    refused_twice, dropped_once, dropped_then_refused = ok(1), ok(2), ok(3)
+    gateway_retry = ok(4, attempts=2)
+    refused_twice.record.connect_retries = 2
+    dropped_once.record.connect_retries = dropped_once.record.drop_resends = 1
+    dropped_then_refused.record.connect_retries, dropped_then_refused.record.drop_resends = 3, 1
+    # Resent but never answered: not completed, so neither count has it.
+    gave_up = bad(5, failure="dropped", connect_retries=4, drop_resends=4)
+    sents = [ok(0), refused_twice, dropped_once, dropped_then_refused, gateway_retry, gave_up]
+    c = Counts.of(sents)
+    assert (c.completed, c.after_retry, c.resent, c.reconnected, c.lost) == (5, 4, 2, 1, 1)
+    report = build("x", "x", PLAN, sents, [], 0, "none", None, Leaks([0], [0], 0), [], [])
+    d = report.as_dict()
+    assert (d["counts"]["resent"], d["counts"]["reconnected"]) == (2, 1)
+    assert [r["drop_resends"] for r in d["requests"]] == [0, 0, 1, 1, 0, 4]
 
 
 def test_detection_is_the_first_sample_after_the_fault_that_shows_it():
@@ -112,12 +129,55 @@ def test_preemptions_add_up_across_a_restart():
 
 def test_leaks_are_clean_only_when_nothing_is_held_by_anyone():
     assert Leaks([0, 0], [0, 0], 0).clean
-    assert Leaks([0, None], [0, None], 0).clean  # a replica that is gone holds nothing
     assert not Leaks([0, 3], [0, 0], 0).clean
     assert not Leaks([0, 0], [1, 0], 0).clean
     assert not Leaks([0, 0], [0, 0], 2).clean
-    assert not Leaks([None, None], [None, None], None).clean  # nobody to ask is not clean
-    assert Leaks([], [], None).clean  # nothing named: remote, judged by lost and hung
+    assert Leaks([0, 0], [0, 0], None).clean  # not a poise gateway: its replicas still count
+    assert Leaks([], [], 0).clean and Leaks([], [], None).clean  # no replicas named: remote
+
+
+def test_a_replica_that_does_not_answer_the_leak_check_fails_it():
+    # What a replica that did not answer holds is unknown: not clean, and named.
+    gone = Leaks([0, None], [0, None], 0)
+    assert not gone.clean and gone.unreadable == [1]
+    assert not Leaks([None, None], [None, None], None).clean
+    assert Leaks([None, 0], [0, 0], 0).unreadable == [0]  # half a reading is no reading
+    assert Leaks([0, 0], [0], 0).unreadable == [1]  # nor is a missing one
+    # As the run builds it, from the last sample: down, or not a poise replica's state.
+    sample = Sample(30.0, True, [], {}, None, 0)
+    sample.replicas = [
+        replica_sample(STATE),
+        replica_sample(None),
+        replica_sample({"role": "gateway"}),
+        replica_sample({**STATE, "kv_cache": {"free_blocks": 9}}),
+    ]
+    leaks = Leaks.of(sample)
+    assert leaks.kv_blocks == [0, None, None, None] and leaks.unreadable == [1, 2, 3]
+    good = [ok(t / 2) for t in range(60)]
+    report = build("x", "x", PLAN, good, [sample], 0, "none", None, leaks, [], [])
+    assert not report.passed and report.counts.lost == 0 and report.counts.hung == 0
+    d = report.as_dict()
+    assert d["passed"] is False
+    assert d["leaks"]["unreadable"] == [1, 2, 3] and d["leaks"]["clean"] is False
+    sample.replicas = [replica_sample(STATE), replica_sample(STATE)]
+    assert Leaks.of(sample).clean
+
+
+STATE = {
+    "role": "replica",
+    "kv_cache": {"total_blocks": 10, "free_blocks": 10},
+    "engine": {"preemptions_total": 2},
+    "inflight_requests": 0,
+}
+
+
+def test_a_replica_sample_reads_what_is_held_or_marks_it_unreadable():
+    s = replica_sample({**STATE, "kv_cache": {"total_blocks": 10, "free_blocks": 7}})
+    assert (s.up, s.kv_used_blocks, s.preemptions, s.inflight) == (True, 3, 2, 0)
+    for unreadable in (None, {}, {"role": "gateway"}, {**STATE, "engine": None},
+                       {**STATE, "inflight_requests": "many"}):  # fmt: skip
+        s = replica_sample(unreadable)
+        assert not s.up and s.kv_used_blocks is None and s.inflight is None
 
 
 def test_the_report_fails_on_a_lost_request_and_passes_without():
