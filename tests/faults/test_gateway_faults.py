@@ -152,11 +152,14 @@ def test_retry_budget_caps_retries_while_one_replica_fails(gateway, pair):
     failing.faults(fail_steps=10**6)
     with ThreadPoolExecutor(30) as pool:
         results = list(pool.map(lambda _: post(g, SMALL)[0], range(60)))
-    assert set(results) <= {200, 502}, results  # an explicit answer for every one
+    # An explicit answer for every one: 429 when the healthy replica, taking all the load,
+    # predicts more than its default queueing budget.
+    assert set(results) <= {200, 429, 502}, results
     retries = metric(g, "poise_gateway_retries_total")
     refused = metric(g, "poise_gateway_retry_budget_exhausted_total")
     peak = metric(g, "poise_gateway_retries_peak_concurrent")
-    assert results.count(200) >= retries > 0  # every retry that ran went to the healthy one
+    # Every retry that ran went to the healthy one, which served it or refused it for load.
+    assert results.count(200) + results.count(429) >= retries > 0
     assert refused > 0 and results.count(502) == refused  # the budget said no, and it showed
     assert peak <= max(2, math.floor(0.2 * 30)), peak
     # Sequential requests are within the budget's minimum: all of them succeed.

@@ -123,7 +123,7 @@ def test_kill_9_under_load_loses_no_request(gateway, replicas, llama_dir, tmp_pa
                     lines = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
                 if lines[-1] != "data: [DONE]":
                     return "truncated"
-                return "error event" if any('"error"' in ln for ln in lines) else "ok"
+                return next((ln for ln in lines if '"error"' in ln), "ok")
             except httpx.HTTPError as exc:
                 return f"transport {type(exc).__name__}"
 
