@@ -117,6 +117,11 @@ def _add_serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-kv-blocks", type=int)
     p.add_argument("--max-num-seqs", type=int)
     p.add_argument("--max-num-batched-tokens", type=int)
+    p.add_argument(
+        "--step-time-budget-s",
+        type=float,
+        help="keep each engine step within this (default 0.08; 0: only the caps above)",
+    )
     p.add_argument("--max-model-len", type=int)
     p.add_argument(
         "--generation-config",

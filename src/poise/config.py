@@ -40,6 +40,10 @@ class ServerSettings(BaseModel):
     block_size: int = Field(default=16, ge=1)
     max_num_seqs: int = Field(default=64, ge=1)
     max_num_batched_tokens: int = Field(default=2048, ge=1)
+    # Each step within 80 ms (a 100 ms time-per-output-token objective with a margin): the
+    # running set and prefill chunks grow only as far as the measured step time allows.
+    # 0 turns it off (the token and sequence caps alone).
+    step_time_budget_s: float = Field(default=0.08, ge=0)
     max_model_len: int | None = Field(default=None, ge=1)
     enable_prefix_caching: bool = True
     native_kernels: bool = True

@@ -17,6 +17,10 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_preemptions: int = 3
+    # Keep each step within this many seconds (a time-per-output-token budget): the running
+    # set and the prefill chunks grow only as far as the measured step time allows. None: off
+    # (offline batch work wants throughput); poise serve sets it by default.
+    step_time_budget_s: float | None = None
     enable_prefix_caching: bool = True
     max_model_len: int | None = None  # None: the model's own
     seed: int = 0  # for requests without a seed of their own

@@ -28,6 +28,7 @@ from poise.engine.outputs import CompletionOutput, EngineStats, RequestOutput
 from poise.engine.request import Request, RequestStatus, SamplingParams
 from poise.engine.runner import ModelRunner
 from poise.engine.scheduler import Scheduler, SchedulerConfig
+from poise.engine.step_budget import StepBudget, StepBudgetConfig
 from poise.engine.tokenizer import IncrementalDetokenizer
 
 log = logging.getLogger("poise.engine")
@@ -127,6 +128,12 @@ class LLMEngine:
         self._tracked: dict[str, _Tracked] = {}
         self.timing = StepTiming(last_step_end=clock())
         self._forecaster = SlotForecaster(self.scheduler.config.max_num_seqs)
+        self._step_budget = (
+            None
+            if self.config.step_time_budget_s is None
+            else StepBudget(StepBudgetConfig(self.config.step_time_budget_s))
+        )
+        self.scheduler.time_budget = self._step_budget
         # Replaced (never mutated) after each step, so other threads may read it freely.
         self.forecast: SlotForecast = IDLE_FORECAST
         self.faults: FaultInjector | None = None  # set by a front end that enables injection
@@ -233,13 +240,19 @@ class LLMEngine:
             self.timing.computed_tokens += out.num_batched_tokens
             self.timing.generation_tokens += len(advanced)
             self._forecaster.observe_step(self.timing.last_step_end - t0)
+            if self._step_budget is not None:
+                decodes = sum(1 for q in out.sequences if len(q.token_ids) == 1 and q.sample)
+                self._step_budget.observe(
+                    decodes, out.num_batched_tokens - decodes, self.timing.last_step_end - t0
+                )
         outputs = self._collect(advanced)
         for o in outputs:
             if o.finished and o.outputs[0].finish_reason in ("stop", "length"):
                 self._forecaster.observe_finished(len(o.outputs[0].token_ids))
         running = self.scheduler.running
         self.forecast = self._forecaster.forecast(
-            (len(r.output_token_ids), r.max_tokens) for r in running if not r.is_probe
+            ((len(r.output_token_ids), r.max_tokens) for r in running if not r.is_probe),
+            self.scheduler.max_running,
         )
         return outputs
 

@@ -62,8 +62,11 @@ class SlotForecaster:
             float(output_tokens) if mean is None else (1 - a) * mean + a * output_tokens
         )
 
-    def forecast(self, running: Iterable[tuple[int, int]]) -> SlotForecast:
-        """``running``: (tokens produced, max_tokens) of each request holding a slot."""
+    def forecast(
+        self, running: Iterable[tuple[int, int]], max_running: int | None = None
+    ) -> SlotForecast:
+        """``running``: (tokens produced, max_tokens) of each request holding a slot;
+        ``max_running``: the running set's cap now, when lower than ``max_num_seqs``."""
         typical = self.mean_output_tokens
         steps = []
         for produced, max_tokens in running:
@@ -73,7 +76,9 @@ class SlotForecaster:
             steps.append(max(1, left))
         steps.sort()
         return SlotForecast(
-            free_slots=max(0, self.max_num_seqs - len(steps)),
+            free_slots=max(
+                0, min(self.max_num_seqs, max_running or self.max_num_seqs) - len(steps)
+            ),
             release_steps=tuple(steps),
             step_s=self.step_s or 0.0,
             cycle_steps=round(typical) if typical is not None else (steps[-1] if steps else 0),

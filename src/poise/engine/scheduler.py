@@ -5,6 +5,12 @@ tokens, within a per-step token budget and a cap on running requests. A prompt l
 budget is prefilled in chunks across steps and mixes with other requests' decode tokens;
 prefix-cache hits simply start a request with tokens already computed.
 
+A step may also have a time budget (``time_budget``, the engine's ``StepBudget``): then every
+running request's decode token is in, prompt chunks share what the budget says still fits (at
+least a block's worth, so that a prompt always progresses), and a new request starts only while
+that leaves room and the running set is under the budget's cap: the running set grows only as
+far as a step can serve it within its time.
+
 Running requests are served first, best (priority, arrival) first. When the KV pool has no block
 for one, the worst running request is preempted: its blocks are freed and it goes back to the
 waiting queue to be recomputed later (its full blocks usually survive in the prefix cache).
@@ -23,6 +29,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from poise.engine.errors import InvalidRequestError
 from poise.engine.intake import check_fits
@@ -39,6 +46,13 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be at least 1")
+
+
+class StepTimeBudget(Protocol):
+    """What a step's time allows (``poise.engine.step_budget.StepBudget``); None: no limit."""
+
+    def prefill_room(self, decodes: int) -> int | None: ...
+    def max_running(self, running: int) -> int | None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +95,13 @@ class Scheduler:
         self._finished_ids: list[str] = []
         self._newly_finished: list[Request] = []
         self.num_preemptions_total = 0
+        self.time_budget: StepTimeBudget | None = None  # None: the token and seq caps alone
+
+    @property
+    def max_running(self) -> int:
+        """The running set's cap now: ``max_num_seqs``, or less under a time budget."""
+        cap = None if self.time_budget is None else self.time_budget.max_running(len(self.running))
+        return self.config.max_num_seqs if cap is None else min(self.config.max_num_seqs, cap)
 
     # ----- intake -----
     def check_fits(self, request: Request) -> None:
@@ -145,7 +166,7 @@ class Scheduler:
             self._preempt(max(self.running, key=lambda r: r.sort_key), preempted)
             scheduled, budget = self._schedule_running(preempted)
         if not preempted:
-            budget = self._admit_waiting(scheduled, budget)
+            budget = self._admit_waiting(scheduled, budget, self._room(scheduled))
         finished, self._finished_ids = self._finished_ids, []
         return SchedulerOutput(
             sequences=scheduled,
@@ -160,14 +181,40 @@ class Scheduler:
             if request.deadline is not None and now >= request.deadline:
                 self._finish(request, RequestStatus.FINISHED_TIMEOUT, "deadline passed")
 
+    def _prefill_room(self, decodes: int) -> int | None:
+        """Prompt tokens a step with ``decodes`` decode tokens may add; None: no time budget."""
+        return None if self.time_budget is None else self.time_budget.prefill_room(decodes)
+
+    def _room(self, scheduled: list[ScheduledSequence]) -> int | None:
+        """Prompt tokens the time budget still allows this step; None: no time budget."""
+        decodes = sum(1 for s in scheduled if len(s.token_ids) == 1 and s.sample)
+        room = self._prefill_room(decodes)
+        if room is None:
+            return None
+        return room - sum(
+            len(s.token_ids) for s in scheduled if not (len(s.token_ids) == 1 and s.sample)
+        )
+
     def _schedule_running(self, preempted: list[str]) -> tuple[list[ScheduledSequence], int]:
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledSequence] = []
         self.running.sort(key=lambda r: r.sort_key)
+        # With a time budget, decode tokens first: what they leave goes to prefill chunks.
+        decodes = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1)
+        prefill_room = self._prefill_room(decodes)
+        if prefill_room is not None:
+            prefill_room = max(prefill_room, self.kv.block_size)
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            left = request.num_tokens - request.num_computed_tokens
+            n = min(left, budget)
+            if prefill_room is not None and left > 1:
+                n = min(n, prefill_room)
+                if n <= 0:
+                    i += 1
+                    continue
+                prefill_room -= n
             admitted = True
             while not self.kv.allocate_slots(request, n):
                 victim = self._pick_victim(self.running[i + 1 :], request)
@@ -204,18 +251,21 @@ class Scheduler:
         preempted.append(request.request_id)
         bisect.insort(self.waiting, request, key=lambda r: r.sort_key)
 
-    def _admit_waiting(self, scheduled: list[ScheduledSequence], budget: int) -> int:
+    def _admit_waiting(
+        self, scheduled: list[ScheduledSequence], budget: int, room: int | None = None
+    ) -> int:
         bs = self.kv.block_size
+        max_running = self.max_running
         while self.waiting and (
             self.waiting[0].is_probe
-            or (budget > 0 and len(self.running) < self.config.max_num_seqs)
+            or (budget > 0 and len(self.running) < max_running and (room is None or room > 0))
         ):
             request = self.waiting[0]
             hits = self.kv.get_computed_blocks(request)
             n_cached = len(hits) * bs
             left = request.num_tokens - n_cached
             # A health probe must not queue behind user work: it passes the caps.
-            n = left if request.is_probe else min(left, budget)
+            n = left if request.is_probe else min(left, budget, room if room is not None else left)
             if not self.kv.allocate_slots(request, n, hits):
                 break  # strict order: nobody overtakes the head of the queue
             self.kv.record_lookup(request.num_tokens, n_cached)
@@ -228,6 +278,8 @@ class Scheduler:
             self.running.append(request)
             scheduled.append(self._scheduled(request, n))
             budget = max(0, budget - n)
+            if room is not None:
+                room -= n
         return budget
 
     def _scheduled(self, request: Request, n: int) -> ScheduledSequence:

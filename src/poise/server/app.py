@@ -62,6 +62,7 @@ def load_engine(settings: ServerSettings) -> EngineClient:
         num_kv_blocks=settings.num_kv_blocks,
         max_num_seqs=settings.max_num_seqs,
         max_num_batched_tokens=settings.max_num_batched_tokens,
+        step_time_budget_s=settings.step_time_budget_s or None,
         enable_prefix_caching=settings.enable_prefix_caching,
         max_model_len=settings.max_model_len,
         seed=settings.seed,

@@ -13,6 +13,17 @@ from poise.engine.scheduler import Scheduler, SchedulerConfig
 PREFIXES = [[1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 9, 9], [5, 5, 5, 5, 5, 5, 5, 5, 5]]
 
 
+class _Budget:
+    def __init__(self, tokens: int, cap: int) -> None:
+        self.tokens, self.cap = tokens, cap
+
+    def prefill_room(self, decodes: int) -> int:
+        return max(1, self.tokens - decodes)
+
+    def max_running(self, running: int) -> int:
+        return self.cap
+
+
 class SchedulerMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
@@ -49,6 +60,11 @@ class SchedulerMachine(RuleBasedStateMachine):
                 deadline=None if deadline is None else self.now + deadline,
             )
         )
+
+    @rule(tokens=st.one_of(st.none(), st.integers(1, 20)), cap=st.integers(1, 6))
+    def time_budget(self, tokens, cap):
+        # The engine's step budget changes between steps.
+        self.s.time_budget = None if tokens is None else _Budget(tokens, cap)
 
     @rule(token=st.integers(0, 3))
     def step(self, token):

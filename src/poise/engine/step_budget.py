@@ -1,0 +1,131 @@
+"""How many tokens one step may compute and still end within a time budget.
+
+Continuous batching trades the latency of everyone running for throughput: each step computes
+one token of every running request plus chunks of new prompts, and a running request gets its
+next token only when the whole step ends. Admission control bounds how long a request waits to
+start; nothing bounds how long it then waits for each token, so under overload the running set
+grows to ``max_num_seqs`` and prefill chunks of ``max_num_batched_tokens`` join every step:
+on two CPU cores the time per output token of a small model went from 70 ms to 250 ms at twice
+its capacity, and almost no admitted request met a 100 ms TPOT objective.
+
+A fixed smaller ``max_num_seqs`` and token budget hold the objective on one machine and one
+model and waste the next one (a GPU's step is ten times shorter). So the budget is learned:
+the step's wall time is modelled as ``a + b_d × decodes + b_p × prompt tokens`` by
+exponentially weighted least squares over recent steps. The scheduler runs every decode, gives
+prompt chunks what the model says still fits in ``target_s``, and starts a new request only
+while the running set is under what fits with room for a prompt chunk (see ``Scheduler``): the
+running set grows only as far as the hardware can serve it within the budget; what cannot
+start waits, and admission control refuses it early once the wait is predicted too long.
+
+No library fits: a three-term least squares on the engine's own step timings.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True, slots=True)
+class StepBudgetConfig:
+    target_s: float  # the time one step should take at most (a time-per-token budget)
+    decay: float = 0.95  # weight of older steps per new one: about the last 20 steps count
+    min_steps: int = 8  # steps observed before the model is trusted (until then: no limit)
+    min_tokens: int = 16  # prefill tokens a step always gets, so that a prompt progresses
+    # Prompt tokens a step keeps for prefill when deciding how many may run: with the running
+    # set at its cap, a prompt is still prefilled within a few steps (its TTFT).
+    prefill_reserve: int = 32
+
+    def __post_init__(self) -> None:
+        if self.target_s <= 0 or not 0 < self.decay < 1 or self.min_tokens < 1:
+            raise ValueError("step budget: target_s > 0, 0 < decay < 1, min_tokens >= 1")
+
+
+# Which of (fixed, per decode, per prompt token) a fit keeps: all, then every smaller set.
+_SUBSETS = [[0, 1, 2], [0, 1], [0, 2], [1, 2], [0], [1], [2]]
+
+
+class StepBudget:
+    """Learns ``step time ≈ a + b_d × decodes + b_p × prefill tokens`` (weighted least
+    squares) and answers how many prompt tokens and running requests fit in the target.
+
+    Two costs, not one: a decode token carries per-sequence work (its own attention over its
+    whole context, sampling, bookkeeping) that a prompt token shares with its neighbours, and
+    on a small model on the CPU one decode token cost several prompt tokens.
+    """
+
+    def __init__(self, config: StepBudgetConfig) -> None:
+        self.config = config
+        self.steps = 0
+        self._xtx = np.zeros((3, 3))  # Σ w·x·xᵀ, x = (1, decodes, prefill tokens)
+        self._xty = np.zeros(3)  # Σ w·x·t
+        self._tt = 0.0  # Σ w·t²
+        self._fit: tuple[float, float, float] | None = None
+
+    def observe(self, decodes: int, prefill_tokens: int, seconds: float) -> None:
+        if decodes + prefill_tokens <= 0 or seconds < 0 or not math.isfinite(seconds):
+            return
+        x = np.array([1.0, float(decodes), float(prefill_tokens)])
+        d = self.config.decay
+        self._xtx = d * self._xtx + np.outer(x, x)
+        self._xty = d * self._xty + seconds * x
+        self._tt = d * self._tt + seconds * seconds
+        self.steps += 1
+        self._fit = None
+
+    def line(self) -> tuple[float, float, float] | None:
+        """(a, b_d, b_p): seconds per step, per decode token, per prompt token; None before
+        enough steps."""
+        if self.steps < self.config.min_steps:
+            return None
+        if self._fit is None:
+            self._fit = self._solve()
+        return self._fit
+
+    def _solve(self) -> tuple[float, float, float]:
+        """Least squares with every cost >= 0 (by trying each subset of the three terms: a
+        negative cost is noise, and one term can stand for another when the steps have not
+        varied it). Of the fits with no negative cost, the one with the least residual."""
+        best: tuple[float, np.ndarray] | None = None
+        for keep in _SUBSETS:
+            xtx = self._xtx[np.ix_(keep, keep)]
+            if abs(np.linalg.det(xtx)) <= 1e-12 * max(1.0, float(np.prod(np.diag(xtx)))):
+                continue
+            sub = np.linalg.solve(xtx, self._xty[keep])
+            if (sub < 0).any():
+                continue
+            coef = np.zeros(3)
+            coef[keep] = sub
+            sse = self._tt - 2 * coef @ self._xty + coef @ self._xtx @ coef
+            if best is None or sse < best[0] - 1e-15:
+                best = (float(sse), coef)
+        if best is None:  # nothing to fit (cannot happen once a step was observed)
+            return 0.0, 0.0, 0.0
+        a, b_d, b_p = (float(v) for v in best[1])
+        return a, b_d, b_p
+
+    def prefill_room(self, decodes: int) -> int | None:
+        """Prompt tokens a step with ``decodes`` decode tokens may add; None: no limit."""
+        fit = self.line()
+        if fit is None:
+            return None
+        a, b_d, b_p = fit
+        left = self.config.target_s - a - b_d * decodes
+        room = left / b_p if b_p > 0 else (math.inf if left > 0 else 0.0)
+        return max(self.config.min_tokens, int(room) if math.isfinite(room) else 1 << 30)
+
+    def max_running(self, running: int) -> int | None:
+        """How many requests may run, ``running`` running now: as many as leave a step room
+        for ``prefill_reserve`` prompt tokens. Where the steps have not told the fixed cost
+        from the per-decode one (every step had the same number of decodes), the fit is
+        trusted only where it was measured: no more than now may run while the step is
+        full, and as requests finish the steps at smaller sizes correct it."""
+        fit = self.line()
+        if fit is None:
+            return None
+        a, b_d, b_p = fit
+        left = self.config.target_s - a - b_p * self.config.prefill_reserve
+        n = left / b_d if b_d > 0 else math.inf if left > 0 else running
+        return max(1, int(n) if math.isfinite(n) else 1 << 30)

@@ -1,0 +1,72 @@
+"""The step-time model: fitted from step timings, it says what fits in a step's budget."""
+
+import random
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from poise.engine.step_budget import StepBudget, StepBudgetConfig
+
+
+def test_learns_the_fixed_decode_and_prompt_costs_and_answers_what_fits():
+    b = StepBudget(StepBudgetConfig(target_s=0.08, prefill_reserve=20))
+    rng = random.Random(0)
+    b.observe(4, 100, 0.07)
+    assert b.prefill_room(4) is None and b.max_running(0) is None  # not trusted yet
+    for _ in range(80):
+        d, p = rng.randrange(0, 40), rng.randrange(0, 300)
+        b.observe(d, p, 0.02 + 0.002 * d + 0.0005 * p)  # 20 ms, 2 ms a decode, 0.5 ms a prompt
+    a, b_d, b_p = b.line()
+    assert a == pytest.approx(0.02, rel=1e-2)
+    assert b_d == pytest.approx(0.002, rel=1e-2) and b_p == pytest.approx(0.0005, rel=1e-2)
+    assert b.prefill_room(10) == pytest.approx(80, abs=2)  # (80 - 20 - 20) ms / 0.5 ms
+    assert b.max_running(10) == pytest.approx(25, abs=2)  # (80 - 20 - 10) ms / 2 ms
+
+
+def test_decode_only_steps_still_give_a_usable_answer_and_slow_models_progress():
+    b = StepBudget(StepBudgetConfig(target_s=0.08, min_tokens=16))
+    for d in [4, 8, 4, 8, 6, 6, 5, 7, 8, 4]:
+        b.observe(d, 0, 0.01 + 0.005 * d)
+    assert b.max_running(4) >= 1 and b.prefill_room(4) >= 16
+    slow = StepBudget(StepBudgetConfig(target_s=0.08, min_tokens=16))
+    for n in range(1, 30):
+        slow.observe(1, n, 0.5 + 0.01 * n)  # one step alone takes longer than the budget
+    assert slow.prefill_room(1) == 16 and slow.max_running(1) == 1
+
+
+def test_it_follows_a_change_of_speed():
+    b = StepBudget(StepBudgetConfig(target_s=0.2))
+    rng = random.Random(1)
+    for _ in range(60):
+        d, p = rng.randrange(1, 20), rng.randrange(0, 200)
+        b.observe(d, p, 0.001 * (d + p))
+    fast = b.prefill_room(5)
+    for _ in range(60):  # four times slower now (say, a neighbour took the cores)
+        d, p = rng.randrange(1, 20), rng.randrange(0, 200)
+        b.observe(d, p, 0.004 * (d + p))
+    assert b.prefill_room(5) < fast / 2
+
+
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 64), st.integers(0, 4096), st.floats(0, 5)),
+        min_size=8,
+        max_size=60,
+    )
+)
+def test_the_answers_are_always_usable(steps):
+    b = StepBudget(StepBudgetConfig(target_s=0.08))
+    for d, p, t in steps:
+        b.observe(d, p, t)
+    room, cap = b.prefill_room(3), b.max_running(3)
+    assert room is None or room >= b.config.min_tokens
+    assert cap is None or cap >= 1
+
+
+def test_a_fit_that_cannot_tell_fixed_from_per_decode_cost_holds_the_running_set_where_it_is():
+    # Sixteen requests decoding together, every step: the fit cannot say what one more costs.
+    b = StepBudget(StepBudgetConfig(target_s=0.08, prefill_reserve=64))
+    for i in range(30):
+        b.observe(16, 0 if i % 3 else 64, 0.06 + (0.0 if i % 3 else 0.035))
+    assert b.max_running(16) == 16  # no more while the step is full, none taken away
