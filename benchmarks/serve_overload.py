@@ -1,10 +1,11 @@
 """Overload behaviour of ``poise serve`` (or ``poise up``) as it comes, admission on and off.
 
-1. Capacity: Poisson arrivals at rising rates against the deployment without admission
-   control; the capacity is the highest rate still served within the SLOs (TTFT <= 1 s and
-   TPOT <= 100 ms for >= 99 % of requests).
+1. Capacity: Poisson arrivals at rising rates against the deployment with both off; the
+   capacity is the highest rate still served within the SLOs (TTFT <= 1 s and TPOT <= 100 ms
+   for >= 99 % of requests).
 2. Overload: 1x, 2x and 3x that rate for a bounded time, once with the defaults (admission by
-   predicted wait is on by default) and once with ``--no-admission-control`` (a FIFO server).
+   predicted wait and the step-time budget are on by default) and once with both off
+   (``--no-admission-control --step-time-budget-s 0``: a FIFO server).
    No tuning flag is passed: only ``--dtype`` (the model's own is float32) and, with
    ``--deployment up``, the replica count.
 3. While each overload run lasts, /health, /ready and /metrics are polled and timed.
@@ -370,7 +371,9 @@ def main() -> int:
         return 2
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
     engine = ["--dtype", args.dtype, *args.engine_flags.split()]
-    off = [*engine, "--no-admission-control"]
+    # Off: what poise did before these defaults, a FIFO server (no admission control, no
+    # step-time budget): the capacity is measured on it, as the load it serves within the SLO.
+    off = [*engine, "--no-admission-control", "--step-time-budget-s", "0"]
     on = engine
     replicas = args.replicas if args.deployment == "up" else 0
 
@@ -411,7 +414,7 @@ def main() -> int:
         capacity = peak = args.capacity
 
     runs: list[RunReport] = []
-    modes = {"on": ("defaults", on), "off": ("admission off", off)}
+    modes = {"on": ("defaults", on), "off": ("protection off", off)}
     for mode, flags in (modes[m] for m in args.modes.split(",") if m):
         replica = Replica(args.model, flags, replicas)
         try:

@@ -145,7 +145,7 @@ def _add_serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-queue-wait-s",
         type=float,
-        help="refuse what is predicted to queue longer (default 0.5; 0: no such bound)",
+        help="refuse what is predicted to queue longer (default 0.3; 0: no such bound)",
     )
     p.add_argument(
         "--default-timeout-s",

@@ -74,7 +74,8 @@ def gateway_sample(t: float, state: dict[str, Any] | None) -> Sample:
     breakers: dict[str, str] = {}
     inflight = 0
     for model in state["models"].values():
-        eligible += model["eligible"]
+        # Trusted by every check: in panic the gateway routes to backends it knows are down.
+        eligible += model.get("trusted", model["eligible"])
         inflight += model["queue"]["waiting"] + model["queue"]["admitted"]
         for b in model["backends"]:
             breakers[b["url"]] = b["breaker"]

@@ -27,7 +27,7 @@ from poise.engine.models.loader import load_model
 from poise.engine.outputs import CompletionOutput, EngineStats, RequestOutput
 from poise.engine.request import Request, RequestStatus, SamplingParams
 from poise.engine.runner import ModelRunner
-from poise.engine.scheduler import Scheduler, SchedulerConfig
+from poise.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from poise.engine.step_budget import StepBudget, StepBudgetConfig
 from poise.engine.tokenizer import IncrementalDetokenizer
 
@@ -241,10 +241,7 @@ class LLMEngine:
             self.timing.generation_tokens += len(advanced)
             self._forecaster.observe_step(self.timing.last_step_end - t0)
             if self._step_budget is not None:
-                decodes = sum(1 for q in out.sequences if len(q.token_ids) == 1 and q.sample)
-                self._step_budget.observe(
-                    decodes, out.num_batched_tokens - decodes, self.timing.last_step_end - t0
-                )
+                self._observe_step_time(out, self.timing.last_step_end - t0)
         outputs = self._collect(advanced)
         for o in outputs:
             if o.finished and o.outputs[0].finish_reason in ("stop", "length"):
@@ -255,6 +252,19 @@ class LLMEngine:
             self.scheduler.max_running,
         )
         return outputs
+
+    def _observe_step_time(self, out: SchedulerOutput, seconds: float) -> None:
+        budget = self._step_budget
+        assert budget is not None
+        decodes = sum(1 for q in out.sequences if len(q.token_ids) == 1 and q.sample)
+        before = budget.reachable
+        budget.observe(decodes, out.num_batched_tokens - decodes, seconds)
+        if budget.reachable is False and before is not False:
+            log.warning(
+                "one decode step takes longer than the step time budget (%.0f ms) on this "
+                "hardware: the budget stands aside, only the token and sequence caps apply",
+                1000 * budget.config.target_s,
+            )
 
     def _recompute_crossed(self, advanced: list[Request]) -> None:
         """Phi-3 with LongRoPE: a sequence that just outgrew the short factors is computed

@@ -52,7 +52,7 @@ class StepTimeBudget(Protocol):
     """What a step's time allows (``poise.engine.step_budget.StepBudget``); None: no limit."""
 
     def prefill_room(self, decodes: int) -> int | None: ...
-    def max_running(self, running: int) -> int | None: ...
+    def max_running(self) -> int | None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,7 +100,7 @@ class Scheduler:
     @property
     def max_running(self) -> int:
         """The running set's cap now: ``max_num_seqs``, or less under a time budget."""
-        cap = None if self.time_budget is None else self.time_budget.max_running(len(self.running))
+        cap = None if self.time_budget is None else self.time_budget.max_running()
         return self.config.max_num_seqs if cap is None else min(self.config.max_num_seqs, cap)
 
     # ----- intake -----

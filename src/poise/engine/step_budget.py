@@ -13,9 +13,10 @@ model and waste the next one (a GPU's step is ten times shorter). So the budget 
 the step's wall time is modelled as ``a + b_d × decodes + b_p × prompt tokens`` by
 exponentially weighted least squares over recent steps. The scheduler runs every decode, gives
 prompt chunks what the model says still fits in ``target_s``, and starts a new request only
-while the running set is under what fits with room for a prompt chunk (see ``Scheduler``): the
-running set grows only as far as the hardware can serve it within the budget; what cannot
-start waits, and admission control refuses it early once the wait is predicted too long.
+while the running set is under a cap that grows by one while steps leave room for a prompt
+chunk and shrinks by one while they do not (see ``Scheduler``): the running set grows only as
+far as the hardware can serve it within the budget; what cannot start waits, and admission
+control refuses it early once the wait is predicted too long.
 
 No library fits: a three-term least squares on the engine's own step timings.
 """
@@ -63,6 +64,8 @@ class StepBudget:
         self._xty = np.zeros(3)  # Σ w·x·t
         self._tt = 0.0  # Σ w·t²
         self._fit: tuple[float, float, float] | None = None
+        self._cap: int | None = None  # the running set's cap, moved one at a time
+        self._reachable = True
 
     def observe(self, decodes: int, prefill_tokens: int, seconds: float) -> None:
         if decodes + prefill_tokens <= 0 or seconds < 0 or not math.isfinite(seconds):
@@ -74,6 +77,7 @@ class StepBudget:
         self._tt = d * self._tt + seconds * seconds
         self.steps += 1
         self._fit = None
+        self._adjust_cap(decodes)
 
     def line(self) -> tuple[float, float, float] | None:
         """(a, b_d, b_p): seconds per step, per decode token, per prompt token; None before
@@ -106,26 +110,56 @@ class StepBudget:
         a, b_d, b_p = (float(v) for v in best[1])
         return a, b_d, b_p
 
+    @property
+    def reachable(self) -> bool | None:
+        """Whether a step of one decode and a minimal prompt chunk fits in the target at all;
+        None before the model is trusted. Out of reach (a model too big for the hardware and
+        the budget), the budget would run one request at a time and prefill a prompt in
+        crumbs: it stands aside instead and the token and sequence caps alone apply. With a
+        margin both ways, so that a machine near the edge does not flip between the two."""
+        fit = self.line()
+        if fit is None:
+            return None
+        a, b_d, b_p = fit
+        smallest = a + b_d + b_p * self.config.min_tokens
+        target = self.config.target_s
+        if self._reachable:
+            self._reachable = smallest < target
+        else:
+            self._reachable = smallest < 0.75 * target
+        if not self._reachable:
+            self._cap = None  # back in reach, the cap starts again from what runs then
+        return self._reachable
+
     def prefill_room(self, decodes: int) -> int | None:
         """Prompt tokens a step with ``decodes`` decode tokens may add; None: no limit."""
         fit = self.line()
-        if fit is None:
+        if fit is None or not self.reachable:
             return None
         a, b_d, b_p = fit
         left = self.config.target_s - a - b_d * decodes
         room = left / b_p if b_p > 0 else (math.inf if left > 0 else 0.0)
         return max(self.config.min_tokens, int(room) if math.isfinite(room) else 1 << 30)
 
-    def max_running(self, running: int) -> int | None:
-        """How many requests may run, ``running`` running now: as many as leave a step room
-        for ``prefill_reserve`` prompt tokens. Where the steps have not told the fixed cost
-        from the per-decode one (every step had the same number of decodes), the fit is
-        trusted only where it was measured: no more than now may run while the step is
-        full, and as requests finish the steps at smaller sizes correct it."""
-        fit = self.line()
-        if fit is None:
+    def max_running(self) -> int | None:
+        """How many requests may run; None: no limit (not trusted yet, or out of reach)."""
+        if self.line() is None or not self.reachable:
             return None
-        a, b_d, b_p = fit
-        left = self.config.target_s - a - b_p * self.config.prefill_reserve
-        n = left / b_d if b_d > 0 else math.inf if left > 0 else running
-        return max(1, int(n) if math.isfinite(n) else 1 << 30)
+        return self._cap
+
+    def _adjust_cap(self, decodes: int) -> None:
+        """After a step with ``decodes`` running: one more may run while such a step leaves
+        ``prefill_reserve`` prompt tokens, one fewer once it leaves less than ``min_tokens``.
+
+        Judged only where it was measured, never extrapolated: the fit cannot tell a step's
+        fixed cost from its per-decode cost when every step had the same number of decodes,
+        and a cap read off such a fit swung between one request and all of them."""
+        room = self.prefill_room(decodes)
+        if room is None:
+            return
+        if self._cap is None:
+            self._cap = max(1, decodes)
+        if room >= self.config.prefill_reserve:
+            self._cap = max(self._cap, decodes + 1)
+        elif room <= self.config.min_tokens:
+            self._cap = max(1, min(self._cap, decodes) - 1)

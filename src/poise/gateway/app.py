@@ -148,7 +148,8 @@ class Gateway:
 
         def on_down(b: Backend) -> None:
             # Only when another backend is trusted: in panic the work has nowhere better to go.
-            if any(pool.trusted(other) for other in pool.backends if other is not b):
+            # Not for a backend drained on purpose: what it holds finishes there.
+            if not b.retired and any(pool.trusted(o) for o in pool.backends if o is not b):
                 moved = b.cut_off()
                 if moved:
                     log.warning("moved %d request(s) off %s, which went down", moved, b.url)
@@ -194,6 +195,20 @@ class Gateway:
                 code="invalid_api_key",
             )
         return key
+
+    def authorize_admin(self, request: Request) -> None:
+        """``/admin/backends`` takes backends out of rotation: not for any tenant's key. From
+        loopback (``poise up``, an operator on the host) a valid key (or none, when the gateway
+        has no keys) will do; from anywhere else only a key marked ``admin``."""
+        key = self.authenticate(request)
+        client = request.client.host if request.client is not None else ""
+        if client in ("127.0.0.1", "::1", "localhost") or (key is not None and key.admin):
+            return
+        raise APIError(
+            403,
+            "the admin routes need a key marked admin, or a client on this host",
+            code="forbidden",
+        )
 
     def charges(self, key: KeySettings | None, model: str, tokens: float) -> list[Charge]:
         m = self.settings.models[model]
@@ -279,19 +294,19 @@ def create_gateway_app(
 
     @app.get("/admin/backends")
     async def admin_backends(request: Request) -> JSONResponse:
-        gw.authenticate(request)  # protected like /debug/state
+        gw.authorize_admin(request)
         return JSONResponse(admin.backends_state(gw))
 
     @app.post("/admin/backends/drain")
     async def admin_drain(request: Request) -> JSONResponse:
         # Out of routing when this answers; what the backend holds goes on to its end.
-        gw.authenticate(request)
+        gw.authorize_admin(request)
         return JSONResponse(await admin.drain(gw, admin.parse_ref(await _json(request))))
 
     @app.post("/admin/backends/restore")
     async def admin_restore(request: Request) -> JSONResponse:
         # Back in routing once a health check passes.
-        gw.authenticate(request)
+        gw.authorize_admin(request)
         return JSONResponse(admin.restore(gw, admin.parse_ref(await _json(request))))
 
     @app.get("/version")

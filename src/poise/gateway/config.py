@@ -19,6 +19,7 @@
       - key: sk-team-a
         name: team-a
         priority: 0                     # lower is more important, as in vLLM
+        admin: false                    # true: may drain and restore backends remotely
         requests_per_minute: 600
         tokens_per_minute: 200000
     timeouts: {connect_s: 2, first_byte_s: 30, stream_idle_s: 30, total_s: 600}
@@ -28,7 +29,7 @@
     slow_ejection: {factor: 3, for_s: 1.5, min_tpot_s: 0.05}   # per-token time vs the others'
     health: {interval_s: 0.5, timeout_s: 1, healthy_after: 2, unhealthy_after: 2}
     admission: {max_inflight_per_backend: 64, max_backend_waiting: 64, max_queue: 512,
-                queue_ttl_s: 0.5}               # a queue, best priority first, when saturated
+                queue_ttl_s: 0.3}               # a queue, best priority first, when saturated
     rate_limits: {redis_url: redis://127.0.0.1:6379/0}   # shared by every gateway; optional
     autoscale: {target_latency_s: 2, safety_factor: 1.2, min_replicas: 1, max_replicas: 8,
                 scale_down_window_s: 120}      # the advice on /autoscale and in /metrics
@@ -86,6 +87,7 @@ class KeySettings(_Strict):
     key: str = Field(min_length=8)
     name: str
     priority: int = 0
+    admin: bool = False  # may use /admin/backends from anywhere (else: loopback only)
     requests_per_minute: float | None = Field(default=None, gt=0)
     tokens_per_minute: float | None = Field(default=None, gt=0)
 
@@ -136,6 +138,12 @@ class SlowEjectionSettings(_Strict):
     base_s: float = Field(default=2.0, gt=0)
     max_s: float = Field(default=30.0, gt=0)
 
+    @model_validator(mode="after")
+    def _times(self) -> SlowEjectionSettings:
+        if self.base_s > self.max_s:
+            raise ValueError("slow_ejection.base_s is above slow_ejection.max_s")
+        return self
+
 
 class HealthSettings(_Strict):
     # A stopped backend is out after two unanswered rounds: within about 3 s.
@@ -160,7 +168,7 @@ class AdmissionSettings(_Strict):
     max_queue: int = Field(default=512, ge=0)
     # The queueing share of a chat user's 1 s time-to-first-token, as a replica's own
     # max_queue_wait_s: what cannot get through sooner is refused (429) while it can go elsewhere.
-    queue_ttl_s: float = Field(default=0.5, gt=0)
+    queue_ttl_s: float = Field(default=0.3, gt=0)
 
 
 class AutoscaleSettings(_Strict):

@@ -49,6 +49,7 @@ class Attempt:
     retries: int = 0
     last_error: str | None = None
     overloaded: bool = False  # the last attempt was refused for load (429)
+    cut_off: bool = False  # the last attempt was moved off a backend found dead
     span: trace.Span | None = None  # the request's span: each attempt is a child of it
 
 
@@ -116,7 +117,9 @@ class Forwarder:
     ) -> Upstream:
         """The first acceptable upstream response, or an APIError saying why there is none."""
         while True:
-            backend = pool.pick(affinity, frozenset(journey.tried[-1:]))
+            # After a refusal for load, none of those that refused; otherwise not the last one.
+            tried = journey.tried if journey.overloaded else journey.tried[-1:]
+            backend = pool.pick(affinity, frozenset(tried))
             if backend is None or not backend.breaker.acquire():
                 why = f" (last error: {journey.last_error})" if journey.last_error else ""
                 raise APIError(
@@ -132,6 +135,11 @@ class Forwarder:
             )
             if upstream is not None:
                 return upstream
+            if journey.cut_off:
+                # Moved off a backend the health checks found dead: at once, and neither a
+                # retry of the policy's nor the budget's (no storm: one move per attempt cut).
+                journey.cut_off = False
+                continue
             # Not acceptable and nothing sent yet: retry if the policy, deadline and budget allow.
             if journey.overloaded:
                 # A backend that refused for load said so at once, so that the request can go
@@ -256,6 +264,7 @@ class Forwarder:
                 outcome.abandon()  # the client left: no verdict on the backend
                 raise
             # Cut off: the health checks found the backend dead while this waited on it.
+            journey.cut_off = True
             outcome.done("timeout")
             journey.last_error = f"{backend.url} stopped answering its health checks"
             return None, None

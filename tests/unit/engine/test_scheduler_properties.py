@@ -20,7 +20,7 @@ class _Budget:
     def prefill_room(self, decodes: int) -> int:
         return max(1, self.tokens - decodes)
 
-    def max_running(self, running: int) -> int:
+    def max_running(self) -> int:
         return self.cap
 
 

@@ -74,9 +74,14 @@ class FakeBackend:
 
 @contextmanager
 def gateway(
-    n: int, dns: list[dict[str, Any]] | None = None, resolver: Resolver = resolve, **extra: Any
+    n: int,
+    dns: list[dict[str, Any]] | None = None,
+    resolver: Resolver = resolve,
+    client: tuple[str, int] = ("127.0.0.1", 50000),
+    **extra: Any,
 ) -> Iterator[tuple[TestClient, list[FakeBackend]]]:
-    """``n`` listed backends, and ``dns`` entries answered by ``resolver``."""
+    """``n`` listed backends, and ``dns`` entries answered by ``resolver``; requests come
+    from ``client`` (loopback: as poise up on the same host)."""
     backends = [FakeBackend() for _ in range(n)]
     settings = GatewaySettings.model_validate(
         {
@@ -86,8 +91,9 @@ def gateway(
         }
     )
     try:
-        with TestClient(create_gateway_app(settings, resolver=resolver)) as client:
-            yield client, backends
+        app = create_gateway_app(settings, resolver=resolver)
+        with TestClient(app, client=client) as test_client:
+            yield test_client, backends
     finally:
         for b in backends:
             b.close()
@@ -102,8 +108,8 @@ def until(predicate: Callable[[], bool], timeout: float = 5.0) -> bool:
     return False
 
 
-def eligible(client: TestClient) -> list[str]:
-    return list(client.get("/debug/state").json()["models"]["m"]["eligible"])
+def eligible(client: TestClient, headers: dict[str, str] | None = None) -> list[str]:
+    return list(client.get("/debug/state", headers=headers).json()["models"]["m"]["eligible"])
 
 
 def complete(client: TestClient) -> httpx.Response:
@@ -210,3 +216,19 @@ def test_a_backend_dropped_while_drained_is_listed_again_and_a_discovered_one_is
             assert until(lambda: sorted(eligible(client)) == sorted([a.url, extra.url]))
     finally:
         extra.close()
+
+
+def test_only_an_admin_key_may_drain_from_another_host():
+    keys = [
+        {"key": "sk-tenant-1", "name": "tenant"},
+        {"key": "sk-operator", "name": "operator", "admin": True},
+    ]
+    with gateway(2, client=("10.1.2.3", 40000), keys=keys) as (client, backends):
+        body = {"model": "m", "url": backends[0].url}
+        tenant = {"authorization": "Bearer sk-tenant-1"}
+        r = client.post("/admin/backends/drain", json=body, headers=tenant)
+        assert r.status_code == 403 and r.json()["error"]["code"] == "forbidden"
+        assert backends[0].url in eligible(client, headers=tenant)  # nothing changed
+        operator = {"authorization": "Bearer sk-operator"}
+        assert client.post("/admin/backends/drain", json=body, headers=operator).status_code == 200
+        assert backends[0].url not in eligible(client, headers=tenant)

@@ -150,3 +150,39 @@ async def test_a_client_that_leaves_is_still_a_cancellation(backends):
     assert stuck.inflight == 0 and not stuck.movable
     assert stuck.breaker.allows()  # no verdict on the backend: the client left
     assert stuck.cut_off() == 0
+
+
+async def test_moving_work_off_a_dead_backend_is_not_charged_to_the_retry_budget(backends):
+    hang = Hang()
+    pool, fwd = await backends(hang.handler, answer)
+    stuck, good = pool.backends
+    good.healthy = False
+    fwd.budget = RetryBudget(ratio=0.0, min_concurrent=0)  # no retry at all may run
+    tasks = [asyncio.create_task(send(pool, fwd)) for _ in range(5)]
+    await asyncio.wait_for(hang.arrived.wait(), 5)
+    while stuck.inflight < 5:
+        await asyncio.sleep(0.01)
+    good.healthy, stuck.healthy = True, False
+    assert stuck.cut_off() == 5
+    ups = await asyncio.wait_for(asyncio.gather(*tasks), 5)
+    assert all(u.status == 200 and u.backend is good for u in ups)
+    assert fwd.budget.refused_total == 0
+
+
+async def test_a_refusal_for_load_is_never_sent_back_to_a_backend_that_refused(backends):
+    calls: list[str] = []
+
+    def counting(name: str, handler: Handler) -> Handler:
+        async def h(request: web.Request) -> web.StreamResponse:
+            calls.append(name)
+            return await handler(request)
+
+        return h
+
+    pool, fwd = await backends(counting("a", refuse), counting("b", refuse), counting("c", answer))
+    fwd.policy = RetryPolicy(max_retries=2, base_s=0.5, cap_s=1.0)
+    for _ in range(10):
+        calls.clear()
+        up = await send(pool, fwd)
+        assert up.status == 200 and calls[-1] == "c"
+        assert len(calls) == len(set(calls))  # each backend asked at most once
