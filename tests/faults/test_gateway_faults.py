@@ -160,7 +160,10 @@ def test_retry_budget_caps_retries_while_one_replica_fails(gateway, pair):
     peak = metric(g, "poise_gateway_retries_peak_concurrent")
     # Every retry that ran went to the healthy one, which served it or refused it for load.
     assert results.count(200) + results.count(429) >= retries > 0
-    assert refused > 0 and results.count(502) == refused  # the budget said no, and it showed
+    # The budget said no, and it showed: each refusal answered explicitly, 502 after a 500 or
+    # 429 (with Retry-After) when the last backend asked had refused for load.
+    assert refused > 0
+    assert results.count(502) <= refused <= results.count(502) + results.count(429)
     assert peak <= max(2, math.floor(0.2 * 30)), peak
     # Sequential requests are within the budget's minimum: all of them succeed.
     assert [post(g, SMALL)[0] for _ in range(6)] == [200] * 6
