@@ -6,6 +6,7 @@ from poise.engine.errors import RequestTooLargeError
 from poise.engine.kv_cache import KVCacheManager
 from poise.engine.request import Request, RequestStatus, SamplingParams
 from poise.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from stepbudgets import FixedStepBudget
 
 
 class FakeClock:
@@ -173,26 +174,12 @@ def test_prefix_cache_skips_computed_tokens():
     assert s.kv.stats.hit_tokens == 12
 
 
-class Budget:
-    """A step's time budget as the engine's StepBudget answers it: decodes cost 1, prompt
-    tokens 1, ``tokens`` fit in a step; the running set may use up to ``cap``."""
-
-    def __init__(self, tokens: int, cap: int) -> None:
-        self.tokens, self.cap = tokens, cap
-
-    def prefill_room(self, decodes: int) -> int:
-        return max(1, self.tokens - decodes)
-
-    def max_running(self) -> int:
-        return self.cap
-
-
 def test_a_time_budget_serves_decodes_first_then_prefill_and_caps_the_running_set():
     s, _ = make_scheduler(max_num_batched_tokens=64)
     for i in range(3):
         add(s, f"d{i}", 3, max_tokens=50)
     run_step(s)  # three running, decoding from now on
-    s.time_budget = Budget(tokens=8, cap=4)
+    s.time_budget = FixedStepBudget(tokens=8, cap=4)
     add(s, "new", 20, max_tokens=4)
     out = run_step(s)
     sizes = {q.request_id: len(q.token_ids) for q in out.sequences}
@@ -203,7 +190,7 @@ def test_a_time_budget_serves_decodes_first_then_prefill_and_caps_the_running_se
     run_step(s)
     assert s.num_waiting == 1 and len(s.running) == 4  # the cap holds it back
     # Decodes alone beyond the budget: a prompt under way still progresses, a block a step.
-    s.time_budget = Budget(tokens=2, cap=4)
+    s.time_budget = FixedStepBudget(tokens=2, cap=4)
     out = run_step(s)
     assert {q.request_id: len(q.token_ids) for q in out.sequences}["new"] == s.kv.block_size
     s.time_budget = None  # no time budget: the caps alone, as before

@@ -9,19 +9,9 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from poise.engine.kv_cache import KVCacheManager
 from poise.engine.request import Request, RequestStatus, SamplingParams
 from poise.engine.scheduler import Scheduler, SchedulerConfig
+from stepbudgets import FixedStepBudget
 
 PREFIXES = [[1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 9, 9], [5, 5, 5, 5, 5, 5, 5, 5, 5]]
-
-
-class _Budget:
-    def __init__(self, tokens: int, cap: int) -> None:
-        self.tokens, self.cap = tokens, cap
-
-    def prefill_room(self, decodes: int) -> int:
-        return max(1, self.tokens - decodes)
-
-    def max_running(self) -> int:
-        return self.cap
 
 
 class SchedulerMachine(RuleBasedStateMachine):
@@ -64,7 +54,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     @rule(tokens=st.one_of(st.none(), st.integers(1, 20)), cap=st.integers(1, 6))
     def time_budget(self, tokens, cap):
         # The engine's step budget changes between steps.
-        self.s.time_budget = None if tokens is None else _Budget(tokens, cap)
+        self.s.time_budget = None if tokens is None else FixedStepBudget(tokens, cap)
 
     @rule(token=st.integers(0, 3))
     def step(self, token):
