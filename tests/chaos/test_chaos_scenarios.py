@@ -110,7 +110,9 @@ def _errors(run: dict[str, Any]) -> None:
 def _kv(run: dict[str, Any]) -> None:
     assert run["preemptions"] > 0, run["output"]  # the pool really ran out
     assert run["by_traffic"]["long"]["completed"] > 0
-    _no_failures(run)
+    # Nothing fails. Some requests may be refused (429 with Retry-After): the long prompts
+    # overload the replicas, and their default admission says so instead of queueing.
+    assert run["counts"]["failed"] == 0, run["output"]
 
 
 def _storm(run: dict[str, Any]) -> None:
