@@ -256,7 +256,7 @@ class LLMEngine:
     def _observe_step_time(self, out: SchedulerOutput, seconds: float) -> None:
         budget = self._step_budget
         assert budget is not None
-        decodes = sum(1 for q in out.sequences if len(q.token_ids) == 1 and q.sample)
+        decodes = sum(q.is_decode for q in out.sequences)
         before = budget.reachable
         budget.observe(decodes, out.num_batched_tokens - decodes, seconds)
         if budget.reachable is False and before is not False:

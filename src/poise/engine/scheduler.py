@@ -66,6 +66,11 @@ class ScheduledSequence:
     output_token_ids: list[int]  # generated so far, for repetition penalties (read only)
     prompt_token_ids: list[int]  # the request's prompt (read only): repetition penalty covers it
 
+    @property
+    def is_decode(self) -> bool:
+        """One token that samples the next: a decode, not a prompt chunk."""
+        return self.sample and len(self.token_ids) == 1
+
 
 @dataclass(slots=True)
 class SchedulerOutput:
@@ -187,13 +192,10 @@ class Scheduler:
 
     def _room(self, scheduled: list[ScheduledSequence]) -> int | None:
         """Prompt tokens the time budget still allows this step; None: no time budget."""
-        decodes = sum(1 for s in scheduled if len(s.token_ids) == 1 and s.sample)
-        room = self._prefill_room(decodes)
+        room = self._prefill_room(sum(s.is_decode for s in scheduled))
         if room is None:
             return None
-        return room - sum(
-            len(s.token_ids) for s in scheduled if not (len(s.token_ids) == 1 and s.sample)
-        )
+        return room - sum(len(s.token_ids) for s in scheduled if not s.is_decode)
 
     def _schedule_running(self, preempted: list[str]) -> tuple[list[ScheduledSequence], int]:
         budget = self.config.max_num_batched_tokens

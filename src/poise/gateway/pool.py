@@ -176,8 +176,7 @@ class Pool:
             return []
         self._slow_judged_at = now
         changes = self.slow.update([b.url for b in self.backends if self._available(b)])
-        for url in changes.returned:
-            self.latency.reset(url)  # back afresh, not with the slowness it left for
+        for url in changes.returned:  # its estimates were reset as it returned
             log.warning("backend %s is fast again: back in rotation", url)
         for url in changes.ejected:
             ratio = self.slow.ratio(url)
