@@ -54,6 +54,14 @@ def _apply_penalties(
     logits -= sp.frequency_penalty * counts + sp.presence_penalty * (counts > 0).to(logits.dtype)
 
 
+def _finite(logits: torch.Tensor) -> torch.Tensor:
+    """+inf as the largest finite value: a penalty or temperature that divides by a tiny
+    number (``repetition_penalty`` 5e-324 is valid) overflows the likeliest tokens to +inf,
+    and a softmax over two of them is NaN (the step failed for every request in it). Tied at
+    the largest value they are still the likeliest, and equally likely, as in the limit."""
+    return torch.nan_to_num(logits, nan=float("-inf"), posinf=torch.finfo(logits.dtype).max)
+
+
 def _mask_stops(
     logits: torch.Tensor, sp: SamplingParams, output: list[int], eos: frozenset[int]
 ) -> None:
@@ -105,12 +113,13 @@ def sample(logits: torch.Tensor, rows: Sequence[SampleRow], eos: frozenset[int])
             row = rows[i]
             _mask_stops(processed[i], row.sampling, row.output_token_ids, eos)
             _apply_penalties(processed[i], row.sampling, row.prompt_token_ids, row.output_token_ids)
+            processed[i] = _finite(processed[i])
     tokens = processed.argmax(dim=-1).tolist()
     for i, row in enumerate(rows):
         sp = row.sampling
         if sp.greedy:
             continue
-        scaled = processed[i] / sp.temperature
+        scaled = _finite(processed[i] / sp.temperature)
         if sp.min_p > 0.0:
             scaled = _min_p(scaled, sp.min_p)
         scaled = _top_k_top_p(scaled, sp.top_k, sp.top_p)

@@ -33,6 +33,25 @@ def test_huge_temperature_still_samples_a_valid_token() -> None:
         assert 0 <= out.token_id < 50
 
 
+@pytest.mark.parametrize("temperature", [1.0, 1e-5])
+def test_a_denormal_repetition_penalty_samples_among_the_seen_positive_tokens(
+    temperature: float,
+) -> None:
+    # Dividing by 5e-324 overflows every seen token with a positive logit to +inf; the step
+    # failed with NaN probabilities (found by the schema fuzzer). Those tokens stay the
+    # likeliest, equally, and a draw picks one of them.
+    logits = torch.tensor([[1.0, 3.0, -2.0, 2.0, 5.0]])
+    drawn = {
+        sample(
+            logits.clone(),
+            [_row([1, 2, 3], temperature=temperature, repetition_penalty=5e-324, draw_seed=s)],
+            frozenset(),
+        )[0].token_id
+        for s in range(40)
+    }
+    assert drawn == {1, 3}
+
+
 def test_min_tokens_bans_eos_even_when_it_dominates() -> None:
     logits = torch.tensor([[0.0, 100.0, 1.0]])
     (out,) = sample(logits, [_row(temperature=0.0, min_tokens=2)], frozenset({1}))
