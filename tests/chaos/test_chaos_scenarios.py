@@ -1,6 +1,7 @@
 """Every ``poise chaos`` scenario, short: real replicas, a real gateway, a real fault.
 
-Each runs the command a user runs (24 s of load, the fault at 8 s held for 8 s) and asserts
+Each runs the command a user runs, on the gateway as ``poise up`` configures it
+(``--gateway-defaults``; 18 s of load, the fault at 6 s held for 6 s), and asserts
 what a user of the deployment would notice: no request lost, none hung past its deadline,
 nothing held once the load stops, and the fault's own signature (detected, retried, migrated,
 shed by priority, ...). The full-length runs are benchmarks (see docs/chaos.md).
@@ -21,7 +22,7 @@ import pytest
 from poise.chaos.scenarios import SCENARIOS
 
 pytestmark = pytest.mark.slow
-DURATION_S = 24
+DURATION_S = 18
 
 
 def chaos(model: Path, scenario: str, work: Path) -> dict[str, Any]:
@@ -29,7 +30,7 @@ def chaos(model: Path, scenario: str, work: Path) -> dict[str, Any]:
     argv = [
         sys.executable, "-m", "poise.cli", "chaos", "--scenario", scenario, "--model",
         str(model), "--duration", str(DURATION_S), "--json", str(report), "--work-dir",
-        str(work), "--capacity", "10",
+        str(work), "--capacity", "10", "--gateway-defaults",
     ]  # fmt: skip
     # A session of its own, so that a run that overstays is stopped with all it started.
     proc = subprocess.Popen(
@@ -94,10 +95,10 @@ def _slow(run: dict[str, Any]) -> None:
     # Latency-aware ejection: the gateway takes the slow replica out of rotation (or opens its
     # breaker) within 5 s of the fault, and the steady traffic is all served with its TTFT p99
     # back under the recovery threshold (2x the baseline, at least +100 ms), staying back,
-    # within 10 s of it. The fault holds for 8 s of the 24: the detection is what shows that
-    # the gateway, not the fault's end, did it.
+    # before the fault ends (it holds for a third of the run, 6 s): the gateway did it, not
+    # the fault's end (the issue's target, MTTR < 10 s, is the looser bound).
     assert run["detected_s"] is not None and run["detected_s"] < 5.0, run["output"]
-    assert run["mttr_s"] is not None and run["mttr_s"] < 10.0, run["output"]
+    assert run["mttr_s"] is not None and run["mttr_s"] < DURATION_S / 3, run["output"]
     _no_failures(run)  # slow is not broken: nothing fails for it
 
 

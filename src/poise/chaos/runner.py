@@ -86,8 +86,10 @@ class _Deployed:
 def gateway_settings(
     scenario: Scenario, redis_url: str | None, defaults: bool = False
 ) -> dict[str, Any]:
-    tight = {"log_level": "warning"} if defaults else CHAOS_GATEWAY
-    settings: dict[str, Any] = {**tight, **scenario.gateway}
+    # The defaults are all of them: a scenario's own settings (flood's gateway queue) too.
+    settings: dict[str, Any] = (
+        {"log_level": "warning"} if defaults else {**CHAOS_GATEWAY, **scenario.gateway}
+    )
     if scenario.keyed:
         limit = {"requests_per_minute": 1_000_000} if redis_url else {}
         settings["keys"] = [
