@@ -319,3 +319,8 @@ def test_api_keys(start_server):
     assert state["role"] == "replica" and state["phase"] == "ready"
     assert state["kv_cache"]["total_blocks"] > 0 and state["kv_cache"]["usage"] == 0
     assert state["engine"]["running"] == 0 and state["health"]["healthy"] is True
+    # Why requests wait: the running set's cap now and the step-time budget's fit (None
+    # until it has seen enough steps).
+    assert state["engine"]["max_running"] >= 1
+    fit = state["engine"]["step_time_fit_ms"]
+    assert fit is None or set(fit) == {"per_step", "per_decode", "per_prompt_token"}

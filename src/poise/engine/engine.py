@@ -201,6 +201,8 @@ class LLMEngine:
             prefix_hit_tokens=self.kv.stats.hit_tokens,
             step_errors=len(self.timing.failures),
             forecast=self.forecast,
+            max_running=self.scheduler.max_running,
+            step_time_fit=None if self._step_budget is None else self._step_budget.line(),
         )
 
     # ----- one step -----

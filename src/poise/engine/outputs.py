@@ -48,3 +48,7 @@ class EngineStats:
     prefix_hit_tokens: int = 0
     step_errors: int = 0
     forecast: SlotForecast = IDLE_FORECAST
+    max_running: int = 0  # the running set's cap now (max_num_seqs, or less under a budget)
+    # The step-time budget's fit (seconds per step, per decode, per prompt token); None: no
+    # budget, or not fitted yet.
+    step_time_fit: tuple[float, float, float] | None = None

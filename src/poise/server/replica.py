@@ -156,6 +156,16 @@ class Replica:
                 "step_errors_total": stats.step_errors,
                 "seconds_since_progress": round(self.clock() - self.engine.last_progress, 3),
                 "has_work": self.engine.has_work,
+                "max_running": stats.max_running,
+                "step_time_fit_ms": None
+                if stats.step_time_fit is None
+                else dict(
+                    zip(
+                        ("per_step", "per_decode", "per_prompt_token"),
+                        (round(1000 * v, 3) for v in stats.step_time_fit),
+                        strict=True,
+                    )
+                ),
             },
             "kv_cache": {
                 "usage": stats.kv_usage,
