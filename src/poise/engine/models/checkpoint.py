@@ -14,14 +14,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
 from safetensors import safe_open
 
 from poise.engine.errors import ModelLoadError
 from poise.engine.models.config import ModelConfig
 from poise.engine.tokenizer import Tokenizer
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # torch only where weights are read: a server's parent only checks
+    import torch
+
     from poise.engine.models.gguf_file import GGUFCheckpoint
 
 

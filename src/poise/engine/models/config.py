@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from poise.engine.errors import ModelLoadError
-from poise.engine.models.rope import RopeSpec
+from poise.engine.models.rope_spec import RopeSpec
 
 # Hugging Face class name -> poise's name of the family member.
 ARCHITECTURES = {

@@ -1,9 +1,6 @@
 """Rotary position embeddings, every scaling transformers applies to the families poise runs.
 
-``RopeSpec.parse`` reads one ``rope_parameters`` dict (transformers 5) or the older
-``rope_theta`` + ``rope_scaling`` spelling, already merged by the config reader, and refuses a
-type or key it does not know: a rotary table computed with a silently wrong base or scaling
-gives fluent-looking garbage, the worst failure a server can have.
+What the checkpoint asks for is read and checked by ``poise.engine.models.rope_spec``.
 
 The inverse frequencies are computed with the same float32 operations, in the same order, as
 ``transformers.modeling_rope_utils``, so the tables agree bit for bit.
@@ -25,241 +22,73 @@ each its own rule; poise follows both, per sequence, whatever else shares the ba
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
-from poise.engine.errors import ModelLoadError
-
-# Keys transformers reads for each type (its ``_validate_*_rope_parameters``); "type" is the
-# old spelling of "rope_type".
-_COMMON = {"rope_type", "type", "rope_theta", "partial_rotary_factor"}
-_KEYS = {
-    "default": _COMMON,
-    "linear": _COMMON | {"factor"},
-    "dynamic": _COMMON | {"factor", "original_max_position_embeddings"},
-    "llama3": _COMMON
-    | {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"},
-    "yarn": _COMMON
-    | {
-        "factor",
-        "original_max_position_embeddings",
-        "attention_factor",
-        "beta_fast",
-        "beta_slow",
-        "mscale",
-        "mscale_all_dim",
-        "truncate",
-    },
-    "longrope": _COMMON
-    | {
-        "short_factor",
-        "long_factor",
-        "original_max_position_embeddings",
-        "attention_factor",
-        "factor",
-    },
-    # Written by poise's GGUF reader: llama.cpp's per-frequency divisors (``rope_freqs``).
-    "gguf_freq_factors": _COMMON | {"freq_factors"},
-}
-_REQUIRED = {
-    "linear": {"factor"},
-    "dynamic": {"factor"},
-    "llama3": {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"},
-    "yarn": {"factor", "original_max_position_embeddings"},
-    "longrope": {"short_factor", "long_factor", "original_max_position_embeddings"},
-    "gguf_freq_factors": {"freq_factors"},
-}
+from poise.engine.models.rope_spec import RopeSpec
 
 
-@dataclass(frozen=True, slots=True)
-class RopeSpec:
-    rope_type: str
-    theta: float
-    head_dim: int
-    rotary_dim: int  # head_dim × partial_rotary_factor: the leading dims that rotate
-    max_position_embeddings: int
-    params: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
-
-    @classmethod
-    def parse(
-        cls,
-        params: dict[str, Any],
-        head_dim: int,
-        max_position_embeddings: int,
-        where: str = "rope_parameters",
-    ) -> RopeSpec:
-        """``params``: the merged rope dict, ``rope_theta`` included."""
-        rope_type = params.get("rope_type", params.get("type", "default"))
-        if rope_type not in _KEYS:
-            raise ModelLoadError(
-                f"{where}.rope_type {rope_type!r} is not supported; poise runs "
-                f"{', '.join(k for k in _KEYS if k != 'gguf_freq_factors')}"
-            )
-        unknown = sorted(set(params) - _KEYS[rope_type])
-        if unknown:
-            raise ModelLoadError(
-                f"{where} has keys poise does not understand for rope_type {rope_type!r}: "
-                f"{', '.join(unknown)}"
-            )
-        missing = sorted(_REQUIRED.get(rope_type, set()) - set(params))
-        if missing:
-            raise ModelLoadError(f"{where} ({rope_type}) lacks {', '.join(missing)}")
-        theta = params.get("rope_theta")
-        if not isinstance(theta, int | float) or isinstance(theta, bool) or theta <= 0:
-            raise ModelLoadError(f"{where}.rope_theta must be a positive number, got {theta!r}")
-        partial = float(params.get("partial_rotary_factor", 1.0) or 1.0)
-        rotary_dim = int(head_dim * partial)
-        if not 0 < rotary_dim <= head_dim or rotary_dim % 2:
-            raise ModelLoadError(f"{where}.partial_rotary_factor {partial} gives no even dimension")
-        spec = cls(
-            rope_type,
-            float(theta),
-            head_dim,
-            rotary_dim,
-            max_position_embeddings,
-            {k: v for k, v in params.items() if k not in _COMMON},
-        )
-        half = rotary_dim // 2
-        for key in ("short_factor", "long_factor", "freq_factors"):
-            if key in spec.params and len(spec.params[key]) != half:
-                raise ModelLoadError(
-                    f"{where}.{key} has {len(spec.params[key])} entries, the rotary dimension "
-                    f"needs {half}"
-                )
-        return spec
-
-    # ----- frequencies, as transformers computes them -----
-    def _base_inv_freq(self, base: float) -> torch.Tensor:
-        dim = self.rotary_dim
+def inv_freq(spec: RopeSpec, seq_len: int | None = None) -> torch.Tensor:
+    """float32 inverse frequencies, (rotary_dim / 2,); ``seq_len`` matters only for the
+    length-dependent types."""
+    p, kind = spec.params, spec.rope_type
+    if kind == "default":
+        return _base_inv_freq(spec, spec.theta)
+    if kind == "linear":
+        return _base_inv_freq(spec, spec.theta) / float(p["factor"])
+    if kind == "dynamic":
+        # In float32 tensors, as transformers computes it from a tensor sequence length.
+        mpe = spec.max_position_embeddings
+        if seq_len is None or seq_len <= mpe:
+            return _base_inv_freq(spec, spec.theta)  # transformers' table until it grows
+        seq = torch.tensor(seq_len)
+        factor, dim = float(p["factor"]), spec.rotary_dim
+        base = spec.theta * ((factor * seq / mpe) - (factor - 1)) ** (dim / (dim - 2))
         exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
         return 1.0 / (base**exponents)
-
-    @property
-    def original_max_position_embeddings(self) -> int:
-        return int(
-            self.params.get("original_max_position_embeddings", self.max_position_embeddings)
-        )
-
-    @property
-    def length_threshold(self) -> int | None:
-        """The sequence length past which the frequencies change; None if they never do."""
-        if self.rope_type == "dynamic":
-            return self.max_position_embeddings
-        if self.rope_type == "longrope":
-            return self.original_max_position_embeddings
-        return None
-
-    @property
-    def max_len(self) -> int:
-        if self.rope_type in ("linear", "dynamic"):
-            return int(self.max_position_embeddings * float(self.params["factor"]))
-        if self.rope_type == "yarn":
-            return int(self.original_max_position_embeddings * self._yarn_factor())
-        return self.max_position_embeddings
-
-    def rotation_variant(self, num_prompt_tokens: int, num_tokens: int) -> int | None:
-        """Which rotation a sequence's cached keys have, where it is not the usual: dynamic's
-        stretched base for its prompt's length, or longrope's long factors."""
-        if self.rope_type == "dynamic" and num_prompt_tokens > self.max_position_embeddings:
-            return num_prompt_tokens
-        if self.rope_type == "longrope" and num_tokens > self.original_max_position_embeddings:
-            return 1
-        return None
-
-    @property
-    def attention_scaling(self) -> float:
-        """The factor transformers multiplies cos and sin by (YaRN's and LongRoPE's mscale)."""
-        p = self.params
-        if self.rope_type == "yarn":
-            if p.get("attention_factor") is not None:
-                return float(p["attention_factor"])
-            factor = self._yarn_factor()
-            if p.get("mscale") and p.get("mscale_all_dim"):
-                return float(
-                    _yarn_mscale(factor, p["mscale"]) / _yarn_mscale(factor, p["mscale_all_dim"])
-                )
-            return _yarn_mscale(factor)
-        if self.rope_type == "longrope":
-            if p.get("attention_factor") is not None:
-                return float(p["attention_factor"])
-            factor = p.get("factor")
-            orig = self.original_max_position_embeddings
-            if factor is None:
-                factor = self.max_position_embeddings / orig
-            if factor <= 1.0:
-                return 1.0
-            return math.sqrt(1 + math.log(factor) / math.log(orig))
-        return 1.0
-
-    def _yarn_factor(self) -> float:
-        factor = self.params.get("factor")
-        if factor is None:
-            return self.max_position_embeddings / self.original_max_position_embeddings
-        return float(factor)
-
-    def inv_freq(self, seq_len: int | None = None) -> torch.Tensor:
-        """float32 inverse frequencies, (rotary_dim / 2,); ``seq_len`` matters only for the
-        length-dependent types."""
-        p, kind = self.params, self.rope_type
-        if kind == "default":
-            return self._base_inv_freq(self.theta)
-        if kind == "linear":
-            return self._base_inv_freq(self.theta) / float(p["factor"])
-        if kind == "dynamic":
-            # In float32 tensors, as transformers computes it from a tensor sequence length.
-            mpe = self.max_position_embeddings
-            if seq_len is None or seq_len <= mpe:
-                return self._base_inv_freq(self.theta)  # transformers' table until it grows
-            seq = torch.tensor(seq_len)
-            factor, dim = float(p["factor"]), self.rotary_dim
-            base = self.theta * ((factor * seq / mpe) - (factor - 1)) ** (dim / (dim - 2))
-            exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
-            return 1.0 / (base**exponents)
-        if kind == "llama3":
-            return _llama3(self._base_inv_freq(self.theta), p)
-        if kind == "yarn":
-            return self._yarn_inv_freq()
-        if kind == "longrope":
-            long = seq_len is not None and seq_len > self.original_max_position_embeddings
-            factors = torch.tensor(
-                p["long_factor" if long else "short_factor"], dtype=torch.float32
-            )
-            shape = torch.arange(0, self.rotary_dim, 2, dtype=torch.int64).float() / self.rotary_dim
-            return 1.0 / (factors * self.theta**shape)
-        # gguf_freq_factors: llama.cpp divides each frequency by its factor.
-        factors = torch.tensor(p["freq_factors"], dtype=torch.float32)
-        return self._base_inv_freq(self.theta) / factors
-
-    def _yarn_inv_freq(self) -> torch.Tensor:
-        p, dim, base = self.params, self.rotary_dim, self.theta
-        factor = self._yarn_factor()
-        orig = self.original_max_position_embeddings
-        beta_fast = p.get("beta_fast") or 32
-        beta_slow = p.get("beta_slow") or 1
-
-        def correction_dim(rotations: float) -> float:
-            return (dim * math.log(orig / (rotations * 2 * math.pi))) / (2 * math.log(base))
-
-        low, high = correction_dim(beta_fast), correction_dim(beta_slow)
-        if p.get("truncate", True):
-            low, high = math.floor(low), math.ceil(high)
-        low, high = max(low, 0), min(high, dim - 1)
-        if low == high:
-            high += 0.001  # transformers' guard against a zero-width ramp
-        ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
-        pos_freqs = base ** (torch.arange(0, dim, 2).to(dtype=torch.float) / dim)
-        extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
-        extrapolation_factor = 1 - ramp
-        return interpolation * (1 - extrapolation_factor) + extrapolation * extrapolation_factor
+    if kind == "llama3":
+        return _llama3(_base_inv_freq(spec, spec.theta), p)
+    if kind == "yarn":
+        return _yarn_inv_freq(spec)
+    if kind == "longrope":
+        long = seq_len is not None and seq_len > spec.original_max_position_embeddings
+        factors = torch.tensor(p["long_factor" if long else "short_factor"], dtype=torch.float32)
+        shape = torch.arange(0, spec.rotary_dim, 2, dtype=torch.int64).float() / spec.rotary_dim
+        return 1.0 / (factors * spec.theta**shape)
+    # gguf_freq_factors: llama.cpp divides each frequency by its factor.
+    factors = torch.tensor(p["freq_factors"], dtype=torch.float32)
+    return _base_inv_freq(spec, spec.theta) / factors
 
 
-def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
-    if scale <= 1:
-        return 1.0
-    return 0.1 * mscale * math.log(scale) + 1.0
+def _base_inv_freq(spec: RopeSpec, base: float) -> torch.Tensor:
+    dim = spec.rotary_dim
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    return 1.0 / (base**exponents)
+
+
+def _yarn_inv_freq(spec: RopeSpec) -> torch.Tensor:
+    p, dim, base = spec.params, spec.rotary_dim, spec.theta
+    factor = spec.yarn_factor()
+    orig = spec.original_max_position_embeddings
+    beta_fast = p.get("beta_fast") or 32
+    beta_slow = p.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(orig / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if p.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2).to(dtype=torch.float) / dim)
+    extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
+    extrapolation_factor = 1 - ramp
+    return interpolation * (1 - extrapolation_factor) + extrapolation * extrapolation_factor
 
 
 def _llama3(inv: torch.Tensor, p: dict[str, Any]) -> torch.Tensor:
@@ -303,7 +132,7 @@ class RotaryEmbedding(nn.Module):
 
     def build(self, device: torch.device) -> None:
         positions = torch.arange(self.max_len, device=device)
-        self.cos, self.sin = self._table(positions, self.spec.inv_freq())
+        self.cos, self.sin = self._table(positions, inv_freq(self.spec))
 
     def cos_sin(
         self, positions: torch.Tensor, rope_lens: torch.Tensor | None
@@ -331,7 +160,7 @@ class RotaryEmbedding(nn.Module):
         if inv is None:
             if len(self._by_len) > 4096:
                 self._by_len.clear()
-            inv = self._by_len[length] = self.spec.inv_freq(length)
+            inv = self._by_len[length] = inv_freq(self.spec, length)
         return inv
 
     def forward(
