@@ -252,6 +252,7 @@ class LLMEngine:
         self.forecast = self._forecaster.forecast(
             ((len(r.output_token_ids), r.max_tokens) for r in running if not r.is_probe),
             self.scheduler.max_running,
+            cap_grows=self._step_budget is not None and self._step_budget.cap_grows,
         )
         return outputs
 

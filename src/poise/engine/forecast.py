@@ -25,6 +25,9 @@ class SlotForecast:
     release_steps: tuple[int, ...]  # per running request, steps until it ends; ascending
     step_s: float  # recent wall time of one busy step
     cycle_steps: int  # a typical request's whole output, in steps
+    # Slots a growing cap opens, one per step (a step-time budget whose steps still leave
+    # room: its cap has not been reached, only not yet needed).
+    growth_slots: int = 0
 
     def wait_s(self, position: int) -> float:
         """Seconds until the ``position``-th request in line (1 = next) gets a running slot."""
@@ -36,6 +39,8 @@ class SlotForecast:
         # Past the running set, a released slot is taken again by one ahead: a cycle later.
         cycles, i = divmod(j, len(self.release_steps))
         steps = self.release_steps[i] + cycles * self.cycle_steps
+        if j < self.growth_slots:
+            steps = min(steps, j + 1)
         return steps * self.step_s
 
 
@@ -63,10 +68,15 @@ class SlotForecaster:
         )
 
     def forecast(
-        self, running: Iterable[tuple[int, int]], max_running: int | None = None
+        self,
+        running: Iterable[tuple[int, int]],
+        max_running: int | None = None,
+        cap_grows: bool = False,
     ) -> SlotForecast:
         """``running``: (tokens produced, max_tokens) of each request holding a slot;
-        ``max_running``: the running set's cap now, when lower than ``max_num_seqs``."""
+        ``max_running``: the running set's cap now, when lower than ``max_num_seqs``;
+        ``cap_grows``: whether that cap is still rising one per step (then a request past it
+        waits a step per request ahead, not for one to finish)."""
         typical = self.mean_output_tokens
         steps = []
         for produced, max_tokens in running:
@@ -75,11 +85,11 @@ class SlotForecaster:
                 left = min(left, round(typical) - produced)
             steps.append(max(1, left))
         steps.sort()
+        cap = min(self.max_num_seqs, max_running or self.max_num_seqs)
         return SlotForecast(
-            free_slots=max(
-                0, min(self.max_num_seqs, max_running or self.max_num_seqs) - len(steps)
-            ),
+            free_slots=max(0, cap - len(steps)),
             release_steps=tuple(steps),
             step_s=self.step_s or 0.0,
             cycle_steps=round(typical) if typical is not None else (steps[-1] if steps else 0),
+            growth_slots=self.max_num_seqs - max(cap, len(steps)) if cap_grows else 0,
         )

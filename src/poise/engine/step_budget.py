@@ -65,6 +65,7 @@ class StepBudget:
         self._tt = 0.0  # Σ w·t²
         self._fit: tuple[float, float, float] | None = None
         self._cap: int | None = None  # the running set's cap, moved one at a time
+        self._cap_grows = False  # the last step left room for one more
         self._reachable = True
 
     def observe(self, decodes: int, prefill_tokens: int, seconds: float) -> None:
@@ -147,6 +148,13 @@ class StepBudget:
             return None
         return self._cap
 
+    @property
+    def cap_grows(self) -> bool:
+        """Whether the cap is still rising (the last step left room for another request):
+        then it stands where demand stopped, not where the budget does, and a burst is let in
+        one per step rather than made to wait for running requests to end."""
+        return self._cap_grows and self.max_running() is not None
+
     def _adjust_cap(self, decodes: int) -> None:
         """After a step with ``decodes`` running: one more may run while such a step leaves
         ``prefill_reserve`` prompt tokens, one fewer once it leaves less than ``min_tokens``.
@@ -159,7 +167,8 @@ class StepBudget:
             return
         if self._cap is None:
             self._cap = max(1, decodes)
-        if room >= self.config.prefill_reserve:
+        self._cap_grows = room >= self.config.prefill_reserve
+        if self._cap_grows:
             self._cap = max(self._cap, decodes + 1)
         elif room <= self.config.min_tokens:
             self._cap = max(1, min(self._cap, decodes) - 1)

@@ -91,3 +91,13 @@ def test_sixteen_decoding_together_hold_the_cap_where_it_was_measured():
     for i in range(30):
         b.observe(16, 0 if i % 3 else 40, 0.05 + (0.0 if i % 3 else 0.022))
     assert 15 <= b.max_running() <= 17
+
+
+def test_the_cap_says_whether_it_is_still_growing_or_the_budget_holds_it():
+    b = StepBudget(StepBudgetConfig(target_s=0.08, prefill_reserve=32, min_tokens=16))
+    for i in range(12):  # fast steps, 3 or 4 running: room to spare, the cap only follows
+        b.observe(3 + i % 2, 20, 0.01 + 0.001 * (3 + i % 2) + 0.0001 * 20)
+    assert b.max_running() is not None and b.cap_grows
+    for _ in range(40):  # the same running set, now each step past the target: held there
+        b.observe(4, 20, 0.085)
+    assert not b.cap_grows
