@@ -76,6 +76,22 @@ class ServerProcess:
         return self.proc.returncode
 
 
+def start_servers(count: int, model: Path, log_dir: Path, *flags: str) -> list[ServerProcess]:
+    """``count`` servers started together (they load side by side), each ready on return; if
+    one does not come up, all are stopped."""
+    servers: list[ServerProcess] = []
+    try:
+        for _ in range(count):
+            servers.append(ServerProcess(model, log_dir, *flags, ready=False))
+        for server in servers:
+            server.wait_ready()
+    except BaseException:
+        for server in servers:
+            server.stop()
+        raise
+    return servers
+
+
 def engine_core_pid(server_pid: int) -> int | None:
     """The pid of the server's engine core process (a multiprocessing child), if it has one."""
     children = []  # each thread's own children: the core is started from a loader thread

@@ -22,7 +22,7 @@ import yaml
 
 from gatewayproc import GatewayProcess
 from poise.launcher import free_port, stop_process, wait_ready
-from serverproc import ServerProcess
+from serverproc import start_servers
 
 RULES = Path(__file__).resolve().parents[2] / "deploy" / "prometheus" / "alerts.yml"
 
@@ -87,7 +87,7 @@ def wait_for(check, timeout: float, what: str):
 
 
 def test_killing_a_replica_fires_replica_down_and_breaker_open(llama_dir, tmp_path):
-    replicas = [ServerProcess(llama_dir, tmp_path) for _ in range(2)]
+    replicas = start_servers(2, llama_dir, tmp_path)
     gateway = prometheus = None
     try:
         victim, survivor = replicas

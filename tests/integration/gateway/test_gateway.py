@@ -17,7 +17,7 @@ import yaml
 
 from gatewayproc import backends, gateways_before
 from poise.launcher import free_port
-from serverproc import ServerProcess
+from serverproc import ServerProcess, start_servers
 
 FAST_HEALTH = {"interval_s": 0.5, "timeout_s": 2.0, "healthy_after": 1, "unhealthy_after": 1}
 
@@ -25,7 +25,7 @@ FAST_HEALTH = {"interval_s": 0.5, "timeout_s": 2.0, "healthy_after": 1, "unhealt
 @pytest.fixture(scope="module")
 def replicas(llama_dir, tmp_path_factory):
     log_dir = tmp_path_factory.mktemp("replicas")
-    procs = [ServerProcess(llama_dir, log_dir, "--enable-fault-injection") for _ in range(2)]
+    procs = start_servers(2, llama_dir, log_dir, "--enable-fault-injection")
     yield procs
     for p in procs:
         p.stop()
@@ -143,7 +143,7 @@ def test_kill_9_under_load_loses_no_request(gateway, replicas, llama_dir, tmp_pa
 
 def test_a_stream_continues_on_another_replica_when_its_replica_dies(gateway, llama_dir, tmp_path):
     """Greedy output through a mid-stream kill -9 is the same text as an unbroken run."""
-    pair = [ServerProcess(llama_dir, tmp_path, "--enable-fault-injection") for _ in range(2)]
+    pair = start_servers(2, llama_dir, tmp_path, "--enable-fault-injection")
     try:
         g = gateway(models={"m": {"backends": backends(pair)}})
         body = {"model": "m", "prompt": "The quick brown fox", "max_tokens": 80, "temperature": 0}
@@ -178,7 +178,7 @@ def test_a_stream_continues_on_another_replica_when_its_replica_dies(gateway, ll
 
 
 def test_a_chat_stream_survives_its_replica_through_the_openai_client(gateway, llama_dir, tmp_path):
-    pair = [ServerProcess(llama_dir, tmp_path, "--enable-fault-injection") for _ in range(2)]
+    pair = start_servers(2, llama_dir, tmp_path, "--enable-fault-injection")
     try:
         g = gateway(models={"m": {"backends": backends(pair)}})
         kw = {
