@@ -219,6 +219,10 @@ def test_sigterm_drains_in_flight_refuses_new_and_exits_0(start_server):
         assert wait_until(lambda: httpx.get(server.url + "/ready").status_code == 503, 3)
         late = post(server, body)
         assert late.status_code == 503 and late.json()["error"]["code"] == "draining"
+        # Its generation probe fails saying why: a gateway keeps what it holds there.
+        probe = httpx.get(server.url + "/health", params={"probe": "generate"}, timeout=5)
+        assert probe.status_code == 503 and probe.json()["status"] == "draining"
+        assert httpx.get(server.url + "/health", timeout=5).status_code == 200  # alive
         results = [f.result() for f in inflight]
     assert all(r.status_code == 200 for r in results)
     assert all(r.json()["usage"]["completion_tokens"] == 40 for r in results)

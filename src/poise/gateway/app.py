@@ -148,8 +148,13 @@ class Gateway:
 
         def on_down(b: Backend) -> None:
             # Only when another backend is trusted: in panic the work has nowhere better to go.
-            # Not for a backend drained on purpose: what it holds finishes there.
-            if not b.retired and any(pool.trusted(o) for o in pool.backends if o is not b):
+            # Not for a backend drained on purpose (here, or by its own SIGTERM): what it holds
+            # finishes there.
+            if (
+                not b.retired
+                and not b.draining
+                and any(pool.trusted(o) for o in pool.backends if o is not b)
+            ):
                 moved = b.cut_off()
                 if moved:
                     log.warning("moved %d request(s) off %s, which went down", moved, b.url)

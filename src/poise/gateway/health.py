@@ -8,7 +8,8 @@ marked down after ``unhealthy_after`` failed rounds and up after ``healthy_after
 A probe that does not answer within ``timeout_s`` is a failed round: a port that accepts
 connections is not health. With the defaults (a round every 0.5 s, 1 s to answer, two failed
 rounds) a stopped backend is out within about 3 s, and the work waiting on it is cut off then
-(``Backend.cut_off``) so that it moves to another backend instead of waiting on a dead one.
+(``Backend.cut_off``) so that it moves to another backend instead of waiting on a dead one -
+unless the backend said it is draining (a replica after SIGTERM finishes what it holds).
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ async def check_once(
             backend.url + "/health", params=params, headers=headers, timeout=cfg.timeout_s
         )
         ok = r.status_code == 200
+        backend.draining = not ok and _says_draining(r)
         if ok and latency is not None and cfg.generate_probe:
             # How long a one-token generation took: what lets a backend out for slowness
             # back in (a plain /health is fast on a slow engine too).
@@ -75,6 +77,15 @@ async def check_once(
         return ok
     except httpx.HTTPError:
         return False
+
+
+def _says_draining(response: httpx.Response) -> bool:
+    """A poise replica that took SIGTERM answers ``{"status": "draining"}``."""
+    try:
+        body = response.json()
+    except ValueError:
+        return False
+    return isinstance(body, dict) and body.get("status") == "draining"
 
 
 def apply(backend: Backend, ok: bool, cfg: HealthSettings) -> bool | None:

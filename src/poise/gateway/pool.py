@@ -63,6 +63,9 @@ class Backend:
     load: ReportedLoad = field(default_factory=ReportedLoad)
     source: str | None = None  # the DNS name it was discovered from; None: listed
     retired: bool = False  # no longer discovered: out of routing, gone once idle
+    # Its health answer says it is draining (a poise replica after SIGTERM): down for new
+    # work, but what it holds finishes there and is not cut off.
+    draining: bool = False
     # Work in flight here that can move elsewhere without the client noticing (attempts still
     # waiting for their first byte, streams that can be resumed), each with how to cut it off:
     # when the health checks find the backend dead, that work should not wait for it.

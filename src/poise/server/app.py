@@ -294,9 +294,8 @@ def create_app(
             ok, why = state.replica.health()
         else:
             raise APIError(400, "probe must be 'generate' or absent", param="probe")
-        return JSONResponse(
-            {"status": "ok" if ok else "unhealthy", "reason": why}, 200 if ok else 503
-        )
+        status = "ok" if ok else "draining" if state.replica.draining else "unhealthy"
+        return JSONResponse({"status": status, "reason": why}, 200 if ok else 503)
 
     @app.get("/ready")
     async def ready() -> JSONResponse:

@@ -138,6 +138,10 @@ class Replica:
             predicted_wait_s=self.admission.predicted_wait(0),
         )
 
+    @property
+    def draining(self) -> bool:
+        return self.phase is Phase.DRAINING
+
     def debug_state(self) -> dict[str, Any]:
         """The replica's live state for ``/debug/state``: engine, KV pool, admission, watchdog."""
         stats = self.engine.stats

@@ -26,6 +26,7 @@ class FakeBackend:
 
     def __init__(self) -> None:
         self.up = True
+        self.draining = False  # /health answers as a poise replica after SIGTERM
         self.delay_s = 0.0
         self.completions = 0
         outer = self
@@ -42,7 +43,9 @@ class FakeBackend:
                 self.wfile.write(body)
 
             def do_GET(self) -> None:
-                if self.path.startswith("/health"):
+                if self.path.startswith("/health") and outer.draining:
+                    self._send(503, b'{"status": "draining", "reason": "SIGTERM"}')
+                elif self.path.startswith("/health"):
                     self._send(200 if outer.up else 503, b"{}")
                 else:
                     self._send(200, b"", "text/plain")
@@ -164,6 +167,28 @@ def test_what_a_drained_backend_holds_finishes_and_the_answer_can_wait_for_it():
         # Nothing else in the pool: a new request finds no backend, and none reaches this one.
         assert complete(client).status_code == 503
         assert a.completions == 1
+
+
+def test_a_backend_that_says_it_is_draining_leaves_rotation_but_keeps_what_it_holds():
+    """A replica drained by its own SIGTERM (no admin call first: an operator, a timed-out
+    drain, Kubernetes) fails its probes saying so: the gateway stops sending it work, and the
+    request it holds finishes there instead of being cut off and sent again elsewhere."""
+    with gateway(2) as (client, (a, b)):
+        assert until(lambda: sorted(eligible(client)) == sorted([a.url, b.url]))
+        a.delay_s = b.delay_s = 1.0
+        statuses: list[int] = []
+        worker = threading.Thread(target=lambda: statuses.append(complete(client).status_code))
+        worker.start()
+        assert until(lambda: a.completions + b.completions == 1)
+        holder = a if a.completions else b
+        other = b if holder is a else a
+        holder.draining = True
+        assert until(lambda: eligible(client) == [other.url], timeout=0.9)
+        worker.join()
+        assert statuses == [200]
+        assert holder.completions == 1 and other.completions == 0  # finished where it was
+        other.delay_s = 0.0
+        assert complete(client).status_code == 200 and other.completions == 1
 
 
 def test_the_admin_routes_are_guarded_by_the_keys_and_name_what_is_wrong():
