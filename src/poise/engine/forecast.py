@@ -25,9 +25,12 @@ class SlotForecast:
     release_steps: tuple[int, ...]  # per running request, steps until it ends; ascending
     step_s: float  # recent wall time of one busy step
     cycle_steps: int  # a typical request's whole output, in steps
-    # Slots a growing cap opens, one per step (a step-time budget whose steps still leave
-    # room: its cap has not been reached, only not yet needed).
+    # Slots a growing cap opens (a step-time budget whose steps still leave room: its cap has
+    # not been reached, only not yet needed): one per two steps, since a request admitted in
+    # a step is a prompt chunk there and counts towards the cap once it decodes.
     growth_slots: int = 0
+    # Running requests over a cap that came down: the first of them to end free no slot.
+    excess: int = 0
 
     def wait_s(self, position: int) -> float:
         """Seconds until the ``position``-th request in line (1 = next) gets a running slot."""
@@ -37,10 +40,10 @@ class SlotForecast:
         if not self.release_steps:
             return 0.0
         # Past the running set, a released slot is taken again by one ahead: a cycle later.
-        cycles, i = divmod(j, len(self.release_steps))
+        cycles, i = divmod(j + self.excess, len(self.release_steps))
         steps = self.release_steps[i] + cycles * self.cycle_steps
         if j < self.growth_slots:
-            steps = min(steps, j + 1)
+            steps = min(steps, 2 * (j + 1))
         return steps * self.step_s
 
 
@@ -75,8 +78,8 @@ class SlotForecaster:
     ) -> SlotForecast:
         """``running``: (tokens produced, max_tokens) of each request holding a slot;
         ``max_running``: the running set's cap now, when lower than ``max_num_seqs``;
-        ``cap_grows``: whether that cap is still rising one per step (then a request past it
-        waits a step per request ahead, not for one to finish)."""
+        ``cap_grows``: whether that cap is still rising (then a request past it waits two steps
+        per request ahead, not for one to finish)."""
         typical = self.mean_output_tokens
         steps = []
         for produced, max_tokens in running:
@@ -92,4 +95,5 @@ class SlotForecaster:
             step_s=self.step_s or 0.0,
             cycle_steps=round(typical) if typical is not None else (steps[-1] if steps else 0),
             growth_slots=self.max_num_seqs - max(cap, len(steps)) if cap_grows else 0,
+            excess=max(0, len(steps) - cap),
         )

@@ -19,23 +19,36 @@ def test_free_slots_mean_no_wait() -> None:
     assert fc.wait_s(3) == pytest.approx(44 * 0.05)
 
 
-def test_a_cap_still_growing_lets_a_burst_in_a_step_apiece() -> None:
+def test_a_cap_still_growing_lets_a_burst_in_two_steps_apiece() -> None:
     """A step-time budget's cap that stands where demand stopped, not where the budget holds:
-    a burst beyond it starts one per step; it does not wait for running requests to end (the
-    wait that refused a failed-over stream on a replica with room to spare)."""
+    a burst beyond it starts one per two steps (admitted as a prompt chunk, counted once it
+    decodes); it does not wait for running requests to end (the wait that refused a
+    failed-over stream on a replica with room to spare)."""
     f = SlotForecaster(max_num_seqs=64)
     f.observe_step(0.01)
     running = [(2, 16)] * 3
     held = f.forecast(running, max_running=3)
     assert held.wait_s(1) == pytest.approx(14 * 0.01)
     growing = f.forecast(running, max_running=3, cap_grows=True)
-    assert growing.wait_s(1) == pytest.approx(0.01)
-    assert growing.wait_s(40) == pytest.approx(40 * 0.01)
+    assert growing.wait_s(1) == pytest.approx(2 * 0.01)
+    assert growing.wait_s(6) == pytest.approx(12 * 0.01)
+    assert growing.wait_s(40) == pytest.approx(80 * 0.01)
     # Never later than running requests' ends would free slots, and only up to max_num_seqs.
     ending = f.forecast([(15, 16)] * 3, max_running=3, cap_grows=True)
     assert ending.wait_s(7) == pytest.approx(3 * 0.01)  # one step to end, then 2 cycles of 1
     full = f.forecast([(2, 16)] * 64, max_running=64, cap_grows=True)
     assert full.growth_slots == 0 and full.wait_s(1) == pytest.approx(14 * 0.01)
+
+
+def test_a_cap_below_the_running_set_frees_no_slot_until_enough_have_ended() -> None:
+    # The budget's cap came down to 2 with 4 running (steps got slower): the first two to end
+    # free nothing; the next in line waits for the third.
+    f = SlotForecaster(max_num_seqs=64)
+    f.observe_step(0.01)
+    fc = f.forecast([(10, 16), (8, 16), (4, 16), (0, 16)], max_running=2)
+    assert fc.free_slots == 0
+    assert fc.wait_s(1) == pytest.approx(12 * 0.01)
+    assert fc.wait_s(2) == pytest.approx(16 * 0.01)
 
 
 def test_a_synchronised_batch_makes_the_next_request_wait_for_the_whole_wave() -> None:
