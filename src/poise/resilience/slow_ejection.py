@@ -104,6 +104,9 @@ class SlowOutlierDetector:
         self.clock = tracker.clock  # one clock for the estimates and the verdicts
         self._verdicts: dict[str, _Verdict] = {}
         self._returned: list[str] = []  # returned lazily, not yet reported by ``update``
+        # What the last ``update`` said could take traffic (None: all): a dead backend's last
+        # timings are no reference for a live one's.
+        self._available: set[str] | None = None
         self.ejections_total = 0
         for url in backends:
             self.add(url)
@@ -173,7 +176,8 @@ class SlowOutlierDetector:
         for url in list(self._verdicts):
             self.is_ejected(url)  # lets back those that may return
         returned, self._returned = self._returned, []
-        pool = set(self._verdicts) if available is None else set(available) & set(self._verdicts)
+        self._available = None if available is None else set(available)
+        pool = set(self._verdicts) if available is None else self._available & set(self._verdicts)
         ejected: list[str] = []
         for url in self._judge(now):
             if self._may_eject(url, pool):
@@ -187,11 +191,13 @@ class SlowOutlierDetector:
         return [url for url, v in self._verdicts.items() if v.ejected_at is None]
 
     def _reference(self, url: str, series: Callable[[str], float | None]) -> float | None:
-        """The median of the other backends in rotation."""
+        """The median of the other backends in rotation that can take traffic."""
         return median_or_none(
             value
             for other in self._in_rotation()
-            if other != url and (value := series(other)) is not None
+            if other != url
+            and (self._available is None or other in self._available)
+            and (value := series(other)) is not None
         )
 
     def _judge(self, now: float) -> list[str]:

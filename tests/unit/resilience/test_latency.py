@@ -374,8 +374,27 @@ def test_never_the_last_available_backend(clock):
         traffic.run({"b0": 0.26, "b1": 0.01}, 0.1)
         # b1 is down for the health checks: b0, slow as it is, is all there is.
         assert d.update(available=["b0"]).ejected == []
-    assert d.slow_backends() == ["b0"]  # judged slow, kept in by the guard
-    assert d.update(available=["b0", "b1"]).ejected == ["b0"]
+    assert d.ejected == []
+
+
+def test_a_backend_that_cannot_take_traffic_is_no_reference(clock):
+    # b1 was fast, then died: its last timings say nothing of what b0, now carrying all the
+    # load, should manage. b0 is not judged slow against them, and once b1 is back it must
+    # stay slow for ``for_s`` again before it is ejected.
+    _tracker, d, traffic = make(clock, max_ejected_share=1.0)
+    traffic.run({"b0": 0.01, "b1": 0.01}, 1.0)
+    for _ in range(30):
+        traffic.run({"b0": 0.26}, 0.1)
+        assert d.update(available=["b0"]).ejected == []
+        assert d.slow_backends() == []
+    for _ in range(10):
+        traffic.run({"b0": 0.26, "b1": 0.01}, 0.1)
+        assert d.update(available=["b0", "b1"]).ejected == []  # 1 s of the 1.5 s
+    ejected = []
+    for _ in range(10):
+        traffic.run({"b0": 0.26, "b1": 0.01}, 0.1)
+        ejected += d.update(available=["b0", "b1"]).ejected
+    assert ejected == ["b0"]
 
 
 def test_the_share_cap_ejects_the_worst_first(clock):
