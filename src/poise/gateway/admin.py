@@ -7,7 +7,9 @@ SIGTERM, the gateway would learn of the stop from failed health checks and reque
 errors and retries. Restoring puts it back as a newly discovered backend enters: out of routing
 until a health check has seen it serving.
 
-Protected like ``/debug/state``: a configured key is required when keys are configured.
+Guarded more than ``/debug/state`` (``Gateway.authorize_admin``): from this host a valid key
+(or none, when the gateway has none) will do; from anywhere else only a key marked ``admin``.
+Behind a reverse proxy on the same host every client looks local: give keys there.
 """
 
 from __future__ import annotations

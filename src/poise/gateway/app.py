@@ -8,6 +8,7 @@ gateway holds for its whole life.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -207,7 +208,7 @@ class Gateway:
         has no keys) will do; from anywhere else only a key marked ``admin``."""
         key = self.authenticate(request)
         client = request.client.host if request.client is not None else ""
-        if client in ("127.0.0.1", "::1", "localhost") or (key is not None and key.admin):
+        if _is_loopback(client) or (key is not None and key.admin):
             return
         raise APIError(
             403,
@@ -358,3 +359,14 @@ class ProxiedRoutes:
             err = APIError(500, f"internal error: {type(exc).__name__}")
             response = JSONResponse(err.body(), status_code=500)
         await response(scope, receive, send)
+
+
+def _is_loopback(host: str) -> bool:
+    """127.0.0.0/8, ::1, and IPv4 loopback as an IPv6 socket reports it (::ffff:127.0.0.1)."""
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return host == "localhost"
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return ip.is_loopback

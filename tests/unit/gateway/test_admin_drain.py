@@ -257,3 +257,12 @@ def test_only_an_admin_key_may_drain_from_another_host():
         operator = {"authorization": "Bearer sk-operator"}
         assert client.post("/admin/backends/drain", json=body, headers=operator).status_code == 200
         assert backends[0].url not in eligible(client, headers=tenant)
+
+
+def test_loopback_is_recognised_in_every_spelling_and_nothing_else_is():
+    from poise.gateway.app import _is_loopback
+
+    for host in ("127.0.0.1", "127.8.9.10", "::1", "::ffff:127.0.0.1", "localhost"):
+        assert _is_loopback(host), host
+    for host in ("10.1.2.3", "::ffff:10.1.2.3", "fe80::1", "", "testclient", "127.0.0.1.evil"):
+        assert not _is_loopback(host), host
