@@ -27,7 +27,12 @@ def test_decode_only_steps_give_a_usable_answer_and_an_unreachable_budget_stands
     b = StepBudget(StepBudgetConfig(target_s=0.08, min_tokens=16))
     for d in [4, 8, 4, 8, 6, 6, 5, 7, 8, 4]:
         b.observe(d, 0, 0.01 + 0.005 * d)
-    assert b.max_running() >= 1 and b.prefill_room(4) >= 16
+    # No prompt token seen: the fit is by decodes alone, and a step of 4 decodes (30 ms) leaves
+    # 50 ms, which the answer gives to prompt tokens (it cannot price them yet: no limit).
+    a, b_d, b_p = b.line()
+    assert a + 4 * b_d == pytest.approx(0.03, rel=1e-3) and b_p == 0
+    assert b.prefill_room(4) == 1 << 30
+    assert b.max_running() == 9  # one more than the most that ran while room was left
     slow = StepBudget(StepBudgetConfig(target_s=0.08, min_tokens=16))
     for n in range(1, 30):
         slow.observe(1, n, 0.5 + 0.01 * n)  # one step alone takes longer than the budget
@@ -56,13 +61,19 @@ def test_it_follows_a_change_of_speed():
         max_size=60,
     )
 )
-def test_the_answers_are_always_usable(steps):
+def test_the_answers_are_usable_and_more_decodes_never_leave_more_room(steps):
     b = StepBudget(StepBudgetConfig(target_s=0.08))
     for d, p, t in steps:
         b.observe(d, p, t)
-    room, cap = b.prefill_room(3), b.max_running()
-    assert room is None or room >= b.config.min_tokens
-    assert cap is None or cap >= 1
+    line = b.line()  # None until 8 steps with work were seen
+    assert line is None or all(v >= 0 for v in line)  # no negative cost
+    rooms = [b.prefill_room(d) for d in (0, 1, 3, 10, 64)]
+    if line is not None and b.reachable:
+        assert all(r is not None and r >= b.config.min_tokens for r in rooms)
+        assert rooms == sorted(rooms, reverse=True)  # b_d >= 0
+        assert b.max_running() is None or b.max_running() >= 1
+    else:
+        assert rooms == [None] * 5 and b.max_running() is None
 
 
 def test_the_running_cap_grows_while_steps_leave_room_and_shrinks_when_they_run_over():
