@@ -8,6 +8,7 @@ import os
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import pytest
@@ -285,6 +286,28 @@ def test_engine_core_killed_ends_streams_fails_health_and_exits_nonzero(start_se
     health = httpx.get(server.url + "/health", timeout=2)
     assert health.status_code == 503 and "killed by signal 9" in health.json()["reason"]
     assert server.proc.wait(30) == 1
+
+
+def test_a_killed_server_s_engine_core_leaves_at_once(start_server):
+    """The HTTP process killed (kill -9, the OOM killer): its engine core, a process of its
+    own, must not go on using a core that the replicas taking over its work need. It took a
+    second of a core to tear itself down, and a survivor's requests missed their TTFT."""
+    server = start_server()
+    pid = server.engine_pid
+    assert pid is not None
+    os.kill(server.proc.pid, signal.SIGKILL)
+    t0 = time.monotonic()
+    server.proc.wait(5)
+
+    def running() -> bool:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:
+            return False
+        return state not in ("Z", "X")  # a zombie has exited; its parent is gone
+
+    assert wait_until(lambda: not running(), 2)
+    assert time.monotonic() - t0 < 0.5
 
 
 def test_stopped_engine_core_fails_health_while_http_answers(start_server):
