@@ -29,8 +29,6 @@ class SlotForecast:
     # not been reached, only not yet needed): one per two steps, since a request admitted in
     # a step is a prompt chunk there and counts towards the cap once it decodes.
     growth_slots: int = 0
-    # Running requests over a cap that came down: the first of them to end free no slot.
-    excess: int = 0
 
     def wait_s(self, position: int) -> float:
         """Seconds until the ``position``-th request in line (1 = next) gets a running slot."""
@@ -40,7 +38,7 @@ class SlotForecast:
         if not self.release_steps:
             return 0.0
         # Past the running set, a released slot is taken again by one ahead: a cycle later.
-        cycles, i = divmod(j + self.excess, len(self.release_steps))
+        cycles, i = divmod(j, len(self.release_steps))
         steps = self.release_steps[i] + cycles * self.cycle_steps
         if j < self.growth_slots:
             steps = min(steps, 2 * (j + 1))
@@ -95,5 +93,4 @@ class SlotForecaster:
             step_s=self.step_s or 0.0,
             cycle_steps=round(typical) if typical is not None else (steps[-1] if steps else 0),
             growth_slots=self.max_num_seqs - max(cap, len(steps)) if cap_grows else 0,
-            excess=max(0, len(steps) - cap),
         )

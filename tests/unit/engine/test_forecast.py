@@ -40,17 +40,6 @@ def test_a_cap_still_growing_lets_a_burst_in_two_steps_apiece() -> None:
     assert full.growth_slots == 0 and full.wait_s(1) == pytest.approx(14 * 0.01)
 
 
-def test_a_cap_below_the_running_set_frees_no_slot_until_enough_have_ended() -> None:
-    # The budget's cap came down to 2 with 4 running (steps got slower): the first two to end
-    # free nothing; the next in line waits for the third.
-    f = SlotForecaster(max_num_seqs=64)
-    f.observe_step(0.01)
-    fc = f.forecast([(10, 16), (8, 16), (4, 16), (0, 16)], max_running=2)
-    assert fc.free_slots == 0
-    assert fc.wait_s(1) == pytest.approx(12 * 0.01)
-    assert fc.wait_s(2) == pytest.approx(16 * 0.01)
-
-
 def test_a_synchronised_batch_makes_the_next_request_wait_for_the_whole_wave() -> None:
     """Requests that started together end together: an average start rate would say 'soon'."""
     f = SlotForecaster(max_num_seqs=8)
