@@ -194,7 +194,7 @@ class Replica:
         ok, why = self.health()
         if not ok:
             return False, why
-        if self.phase is Phase.DRAINING:
+        if self.draining:
             return False, "the server is draining and takes no new requests"
         timeout = self.settings.probe_timeout_s
         t0 = self.clock()
@@ -225,7 +225,7 @@ class Replica:
             raise APIError(
                 self.injected_error_status, "injected fault: this replica fails every request"
             )
-        if self.phase is Phase.DRAINING:
+        if self.draining:
             raise APIError(503, "the server is draining and takes no new requests", code="draining")
         if self.phase is not Phase.READY:
             raise APIError(503, "the model is still loading", code="loading")
