@@ -67,6 +67,9 @@ class StepBudget:
         self._cap: int | None = None  # the running set's cap, moved one at a time
         self._cap_grows = False  # the last step left room for one more
         self._reachable = True
+        # The most prompt tokens a recent step carried (decayed as the fit forgets): the fit
+        # prices prompt tokens only up to there (see ``_step_s``).
+        self._prompt_seen = 0.0
 
     def observe(self, decodes: int, prefill_tokens: int, seconds: float) -> None:
         if decodes + prefill_tokens <= 0 or seconds < 0 or not math.isfinite(seconds):
@@ -76,6 +79,7 @@ class StepBudget:
         self._xtx = d * self._xtx + np.outer(x, x)
         self._xty = d * self._xty + seconds * x
         self._tt = d * self._tt + seconds * seconds
+        self._prompt_seen = max(float(prefill_tokens), d * self._prompt_seen)
         self.steps += 1
         self._fit = None
         self._adjust_cap(decodes)
@@ -121,8 +125,7 @@ class StepBudget:
         fit = self.line()
         if fit is None:
             return None
-        a, b_d, b_p = fit
-        smallest = a + b_d + b_p * self.config.min_tokens
+        smallest = self._step_s(fit, 1, self.config.min_tokens)
         target = self.config.target_s
         if self._reachable:
             self._reachable = smallest < target
@@ -155,6 +158,14 @@ class StepBudget:
         one per step rather than made to wait for running requests to end."""
         return self._cap_grows and self.max_running() is not None
 
+    def _step_s(self, fit: tuple[float, float, float], decodes: int, prompt: int) -> float:
+        """The fitted time of a step, its prompt tokens taken no further than recent steps
+        carried: a fit on prompts of a few tokens prices them badly (a new sequence's fixed
+        cost lands on its handful of tokens), and extrapolated to a chunk of 16 it called a
+        tiny model's 25 ms steps unreachable and cut its running set to one or two."""
+        a, b_d, b_p = fit
+        return a + b_d * decodes + b_p * min(float(prompt), self._prompt_seen)
+
     def _adjust_cap(self, decodes: int) -> None:
         """After a step with ``decodes`` running: one more may run while such a step leaves
         ``prefill_reserve`` prompt tokens, one fewer once it leaves less than ``min_tokens``.
@@ -162,13 +173,14 @@ class StepBudget:
         Judged only where it was measured, never extrapolated: the fit cannot tell a step's
         fixed cost from its per-decode cost when every step had the same number of decodes,
         and a cap read off such a fit swung between one request and all of them."""
-        room = self.prefill_room(decodes)
-        if room is None:
+        fit = self.line()
+        if fit is None or not self.reachable:
             return
         if self._cap is None:
             self._cap = max(1, decodes)
-        self._cap_grows = room >= self.config.prefill_reserve
+        target = self.config.target_s
+        self._cap_grows = self._step_s(fit, decodes, self.config.prefill_reserve) <= target
         if self._cap_grows:
             self._cap = max(self._cap, decodes + 1)
-        elif room <= self.config.min_tokens:
+        elif self._step_s(fit, decodes, self.config.min_tokens) >= target:
             self._cap = max(1, min(self._cap, decodes) - 1)

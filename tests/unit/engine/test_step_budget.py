@@ -112,3 +112,19 @@ def test_the_cap_says_whether_it_is_still_growing_or_the_budget_holds_it():
     for _ in range(40):  # the same running set, now each step past the target: held there
         b.observe(4, 20, 0.085)
     assert not b.cap_grows
+
+
+def test_prompts_of_a_few_tokens_are_not_priced_as_chunks_they_never_were():
+    """Short prompts carry a new sequence's fixed cost on a handful of tokens (here 20 ms on
+    five): the fit prices a prompt token at 4 ms, and read at a 16-token chunk that was past
+    the budget: the engine stood aside or ran one request at a time. Judged at the prompts
+    that actually came, 45 ms steps leave room and the running set may grow."""
+    b = StepBudget(StepBudgetConfig(target_s=0.08, prefill_reserve=32, min_tokens=16))
+    cap = 4
+    for i in range(60):
+        prompt = 5 if i % 2 else 0
+        b.observe(cap, prompt, 0.025 + (0.02 if prompt else 0.0))
+        cap = min(b.max_running() or cap, 12)
+    a, _, b_p = b.line()
+    assert b_p * 16 + a > 0.08  # what the chunk-sized reading said
+    assert b.reachable and b.max_running() == 13 and b.cap_grows
