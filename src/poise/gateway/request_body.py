@@ -22,6 +22,12 @@ def parse_body(body: bytes) -> dict[str, Any]:
         raise APIError(400, "the body must be a JSON object")
     if not isinstance(data.get("model"), str):
         raise APIError(400, "model is required", param="model")
+    if "poise_resume" in data:
+        # Set by the gateway on a resumed stream, which replicas admit past their wait bound:
+        # a client sending it would jump the queue.
+        raise APIError(
+            400, "poise_resume is set by the gateway only, not by clients", param="poise_resume"
+        )
     return data
 
 

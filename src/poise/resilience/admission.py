@@ -8,12 +8,13 @@ requests have been starting.
 
 The service-rate estimate is the mean interval between the last ``rate_window`` pairs of
 consecutive starts, counted only while someone was waiting throughout (idle time says nothing
-about capacity). Starts come in bursts (one engine step may start several requests, then none
-for a while), so a short-memory average swings low right after a burst; admission acts on
-those lows, which biases it towards taking too much. A plain mean over a few dozen intervals
-is steadier than an exponential one with the same responsiveness. A newcomer's wait is at
-least how long the queue has gone without a start, so a stalled engine stops admitting instead
-of trusting an old, fast rate.
+about capacity, and neither does the first start after it: that is latency, not spacing).
+Starts come in bursts (one engine step may start several requests, then none for a while), so a
+short-memory average swings low right after a burst; admission acts on those lows, which biases
+it towards taking too much. A plain mean over a few dozen intervals is steadier than an
+exponential one with the same responsiveness. A newcomer's wait is at least how long the queue
+has gone without a start, so a stalled engine stops admitting instead of trusting an old, fast
+rate.
 
 Priorities follow vLLM: lower values run first. A request is only queued behind those with a
 value at most its own, so a high-priority request may be admitted when a low-priority one would
@@ -115,8 +116,14 @@ class AdmissionController:
         prompt_tokens: Sequence[int],
         priority: int = 0,
         deadline: float | None = None,
+        continuation: bool = False,
     ) -> Decision:
-        """Admit a group (the n choices of one HTTP request) whole, or none of it."""
+        """Admit a group (the n choices of one HTTP request) whole, or none of it.
+
+        ``continuation``: the rest of a generation that was admitted elsewhere and lost its
+        replica mid-stream. Its client already has its first token, so the predicted-wait
+        bounds (which guard time to first token) do not apply; refusing it would end a stream
+        the system had taken on. The hard bounds on the queue still do."""
         if len(keys) != len(prompt_tokens) or not keys:
             raise ValueError("one prompt length per key, at least one key")
         now = self.clock()
@@ -125,10 +132,10 @@ class AdmissionController:
         if not self.config.enabled:
             self._enqueue(tickets)
             return Decision(True, None, wait, 0.0)
-        if deadline is not None and wait >= deadline - now:
+        if not continuation and deadline is not None and wait >= deadline - now:
             return self._refuse("deadline", wait, wait)
         limit = self.config.max_queue_wait_s
-        if limit is not None and wait > limit:
+        if not continuation and limit is not None and wait > limit:
             return self._refuse("queue_wait", wait, wait - limit)
         shed = self._make_room(len(tickets), sum(prompt_tokens), priority)
         if shed is None:
@@ -203,9 +210,12 @@ class AdmissionController:
 
     def _enqueue(self, tickets: list[Ticket]) -> None:
         if not self.waiting and tickets:
-            # The queue was idle: measure the next start from now, not from before the idle time.
+            # The queue was idle: a stall is timed from now, not from before the idle time. The
+            # first start is no sample of the rate: arrival to start is the engine's latency
+            # (a step or two), which every request ahead shares, not a time each one adds;
+            # counted, an idle tiny model's 100 ms made four requests ahead "wait" 0.4 s.
             self._last_start = tickets[0].arrival
-            self._queue_busy_since_last_start = True
+            self._queue_busy_since_last_start = False
         for ticket in tickets:
             self.waiting[ticket.key] = ticket
             self.waiting_tokens += ticket.prompt_tokens

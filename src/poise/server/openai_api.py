@@ -300,7 +300,7 @@ def _start(
 ) -> list[Prepared]:
     replica.check_accepting()
     group = replica.prepare(prompts, samplings, priority, deadline, add_special_tokens, resume)
-    replica.admit(group, priority, deadline)
+    replica.admit(group, priority, deadline, continuation=resume is not None)
     return group
 
 

@@ -267,13 +267,21 @@ class Replica:
             raise APIError(503, str(exc), code="unhealthy") from exc
         return out
 
-    def admit(self, group: list[Prepared], priority: int, deadline: float | None) -> None:
-        """Admit the whole group or raise 429; sheds lower-priority waiting work if it must."""
+    def admit(
+        self,
+        group: list[Prepared],
+        priority: int,
+        deadline: float | None,
+        continuation: bool = False,
+    ) -> None:
+        """Admit the whole group or raise 429; sheds lower-priority waiting work if it must.
+        A continuation (a resumed stream) skips the predicted-wait bounds, not the queue's."""
         decision = self.admission.admit(
             [p.request.request_id for p in group],
             [p.request.num_prompt_tokens for p in group],
             priority,
             deadline,
+            continuation,
         )
         if not decision.admitted:
             reason = decision.reason or "overloaded"

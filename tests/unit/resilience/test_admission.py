@@ -60,9 +60,12 @@ def test_start_rate_predicts_the_wait_and_idle_time_is_not_counted():
 
 def test_deadline_that_cannot_be_met_is_refused_with_the_wait_as_retry_after():
     ac, clock = make()
-    ac.admit([f"r{i}" for i in range(3)], [1] * 3)
+    ac.admit([f"r{i}" for i in range(4)], [1] * 4)
     clock.now += 2.0
-    ac.started("r0")  # one start per 2 s, two still waiting: predicted wait 4 s
+    ac.started("r0")  # the first start after idle time: latency, no rate yet
+    assert ac.mean_start_interval_s is None
+    clock.now += 2.0
+    ac.started("r1")  # one start per 2 s, two still waiting: predicted wait 4 s
     d = ac.admit(["late"], [1], deadline=clock.now + 3.0)
     assert not d.admitted and d.reason == "deadline"
     assert d.retry_after_s == pytest.approx(4.0)
@@ -170,3 +173,36 @@ def test_the_servers_slot_forecast_overrides_an_optimistic_start_rate():
     assert not refused.admitted and refused.reason == "queue_wait"
     assert refused.predicted_wait_s == pytest.approx(3.0)
     assert refused.retry_after_s == 3
+
+
+def test_the_first_start_after_idle_time_is_latency_not_a_rate():
+    """Requests that find the engine idle start 100 ms later: a step's latency, shared by all
+    that arrive together. Read as a start interval, it made a burst of four "wait" 0.4 s and
+    the next newcomer was refused although all five start in the next step."""
+    ac, clock = make(max_queue_wait_s=0.3)
+    for i in range(5):
+        assert ac.admit([f"single{i}"], [1]).admitted
+        clock.now += 0.1
+        ac.started(f"single{i}")
+        clock.now += 1.0  # idle until the next one
+    assert ac.mean_start_interval_s is None
+    assert ac.admit([f"burst{i}" for i in range(4)], [1] * 4).admitted
+    clock.now += 0.01
+    assert ac.admit(["newcomer"], [1]).admitted
+
+
+def test_a_resumed_stream_is_taken_past_the_wait_bound_but_not_past_a_full_queue():
+    """Its client already has its first token: refusing it would end a stream, not spare a
+    TTFT; the queue's hard bounds hold for it all the same."""
+    clock = Clock()
+    ac = AdmissionController(
+        AdmissionConfig(max_queue_wait_s=0.3, max_waiting_requests=2),
+        clock,
+        slot_wait=lambda k: 2.0,
+    )
+    assert ac.admit(["new"], [1]).reason == "queue_wait"
+    assert ac.admit(["late"], [1], deadline=clock.now + 1).reason == "deadline"
+    assert ac.admit(["resumed"], [1], deadline=clock.now + 1, continuation=True).admitted
+    assert ac.admit(["resumed2"], [1], continuation=True).admitted
+    full = ac.admit(["resumed3"], [1], continuation=True)
+    assert not full.admitted and full.reason == "queue_full"
