@@ -128,3 +128,46 @@ def test_prompts_of_a_few_tokens_are_not_priced_as_chunks_they_never_were():
     a, _, b_p = b.line()
     assert b_p * 16 + a > 0.08  # what the chunk-sized reading said
     assert b.reachable and b.max_running() == 13 and b.cap_grows
+
+
+def test_a_prompt_borrows_what_decoding_steps_left_and_no_more():
+    """The objective is each request's mean time per token: decode steps of 50 ms against an
+    80 ms target leave 30 ms each, which a prompt's chunk may spend at once, up to four
+    targets; a step that ran over pays it back first."""
+    b = StepBudget(StepBudgetConfig(target_s=0.08, bank_targets=4.0))
+
+    def step(decodes: int, prompt: int) -> float:  # 40 ms, 2 ms a decode, 1 ms a prompt token
+        seconds = 0.04 + 0.002 * decodes + 0.001 * prompt
+        b.observe(decodes, prompt, seconds)
+        return seconds
+
+    for i in range(12):
+        step(5, 40 if i % 2 else 0)
+    unbanked = (0.08 - 0.04 - 0.002 * 5) / 0.001
+    assert b.prefill_room(5) == pytest.approx(unbanked + b.bank_s / 0.001, abs=1)
+    for _ in range(30):
+        step(5, 0)  # 50 ms each: 30 ms banked a step, 320 ms at most
+    assert b.bank_s == pytest.approx(0.32)
+    assert b.prefill_room(5) == pytest.approx(unbanked + 320, abs=1)
+    # The whole 350-token chunk in one step (390 ms): the bank is spent, the mean holds.
+    steps = [step(5, b.prefill_room(5))] + [step(5, 0) for _ in range(62)]
+    assert sum(steps) / len(steps) <= 0.08 * (1 + 4 / 63) + 1e-9
+    b.observe(5, 0, 0.45)  # ran over: owed back before anything is borrowed again
+    a, b_d, b_p = b.line()
+    assert b.bank_s < 0 and b.prefill_room(5) == max(16, int((0.08 - a - 5 * b_d) / b_p))
+
+
+def test_on_one_core_a_prompt_chunk_that_fills_the_step_still_leaves_a_running_set():
+    """One core: 50 ms a step, 4 ms a decode, 2 ms a prompt token. The 32-token reserve alone
+    is 64 ms of an 80 ms target; kept whole, the budget stood aside as unreachable and the
+    replica took in everything. Held to a quarter of the target, it runs what fits."""
+    b = StepBudget(StepBudgetConfig(target_s=0.08, prefill_reserve=32, min_tokens=16))
+    running = 1
+    for i in range(80):
+        prompt = 256 if i % 4 == 0 else 0
+        b.observe(running, prompt, 0.05 + 0.004 * running + 0.002 * prompt)
+        running = b.max_running() or running + 1
+    assert b.reachable
+    # It settles where it neither grows (50 + 4 d + 20, the reserve held to its share, <= 80:
+    # d <= 2) nor shrinks (50 + 4 d + 10 >= 80: d >= 5).
+    assert b.max_running() in (3, 4)
