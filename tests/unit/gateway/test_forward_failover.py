@@ -186,3 +186,68 @@ async def test_a_refusal_for_load_is_never_sent_back_to_a_backend_that_refused(b
         up = await send(pool, fwd)
         assert up.status == 200 and calls[-1] == "c"
         assert len(calls) == len(set(calls))  # each backend asked at most once
+
+
+async def test_a_queue_that_says_how_long_it_refuses_is_not_asked_again_meanwhile(backends):
+    """A replica's queue refuses with ``retry-after-ms``: new requests go straight to the
+    other backend while it lasts, and once both have said so the gateway answers at once
+    without a round trip; when the time is up they are asked again. A resumed stream (past
+    the replicas' wait bounds) still asks."""
+    calls: list[str] = []
+
+    def refusing(name: str, ms: int) -> Handler:
+        async def h(request: web.Request) -> web.StreamResponse:
+            calls.append(name)
+            return web.json_response(
+                {"error": {"message": "overloaded"}},
+                status=429,
+                headers={"Retry-After": "1", "retry-after-ms": str(ms)},
+            )
+
+        return h
+
+    pool, fwd = await backends(refusing("a", 400), refusing("b", 250))
+    with pytest.raises(APIError):
+        await send(pool, fwd)
+    assert sorted(calls) == ["a", "b"]
+    calls.clear()
+    t0 = time.perf_counter()
+    with pytest.raises(APIError) as err:
+        await send(pool, fwd)
+    assert calls == [] and time.perf_counter() - t0 < 0.05
+    assert err.value.status == 429 and err.value.headers["Retry-After"] == "1"
+    assert 150 <= int(err.value.headers["retry-after-ms"]) <= 250  # b's, the sooner
+    with pytest.raises(APIError):
+        await send(pool, fwd, Attempt(heeds_refusals=False))
+    assert sorted(calls) == ["a", "b"]
+    calls.clear()
+    await asyncio.sleep(0.45)  # both windows over (trusted for a second at most anyway)
+    with pytest.raises(APIError):
+        await send(pool, fwd)
+    assert sorted(calls) == ["a", "b"]
+
+
+async def test_while_one_queue_refuses_new_work_goes_to_the_other_without_asking_it(backends):
+    calls: list[str] = []
+
+    async def a(request: web.Request) -> web.StreamResponse:
+        calls.append("a")
+        return web.json_response(
+            {"error": {"message": "overloaded"}},
+            status=429,
+            headers={"Retry-After": "1", "retry-after-ms": "5000"},
+        )
+
+    async def b(request: web.Request) -> web.StreamResponse:
+        calls.append("b")
+        return await answer(request)
+
+    pool, fwd = await backends(a, b)
+    while "a" not in calls:
+        assert (await send(pool, fwd)).status == 200
+    calls.clear()
+    for _ in range(8):
+        assert (await send(pool, fwd)).status == 200
+    assert calls == ["b"] * 8
+    refusing_for = pool.backends[0].refusing_until - time.monotonic()
+    assert 0 < refusing_for <= 1.0  # 5 s asked, one second trusted
