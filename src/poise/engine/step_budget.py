@@ -48,8 +48,9 @@ class StepBudgetConfig:
     reserve_share: float = 0.25
     # The objective is a request's mean time per output token, not each step's: a step may
     # spend on a prompt what earlier decoding steps left of the target, up to this many
-    # targets. Over a 64-token answer that moves its mean by 4/63 of the target at most, and
-    # a prompt is prefilled in one or two steps instead of thirty-token crumbs (its TTFT).
+    # targets. Over a 64-token answer that moves its mean by about 4/63 of the target (when
+    # the step-time fit is right), and a prompt is prefilled in one or two steps instead of
+    # thirty-token crumbs (its TTFT).
     bank_targets: float = 4.0
 
     def __post_init__(self) -> None:
@@ -94,18 +95,24 @@ class StepBudget:
     def observe(self, decodes: int, prefill_tokens: int, seconds: float) -> None:
         if decodes + prefill_tokens <= 0 or seconds < 0 or not math.isfinite(seconds):
             return
-        if decodes > 0:  # a step without decodes delays no one's next token
-            most = self.config.bank_targets * self.config.target_s
-            self.bank_s = max(-most, min(most, self.bank_s + self.config.target_s - seconds))
+        c = self.config
+        if decodes > 0:
+            most = c.bank_targets * c.target_s
+            self.bank_s = max(-most, min(most, self.bank_s + c.target_s - seconds))
+        else:
+            # Nothing is decoding: what was saved belonged to requests that have ended, and a
+            # new one should not pay for a prompt with it.
+            self.bank_s = min(self.bank_s, 0.0)
         fit = self.line()
-        if fit is not None:
+        if fit is not None and prefill_tokens <= self._prompt_scale():
             # One stall (a collection, the core lent to a neighbour) moved the fixed cost of a
             # 50 ms step to 70 ms, and the budget stood aside as out of reach. Fitted no
-            # further than a few times the prediction, a stall barely counts, and a lasting
-            # slowdown is still learned within a few steps (each pulls the line up).
+            # further than a few times the prediction (or the target), a stall barely counts
+            # and a lasting slowdown is still learned within a few steps (each pulls the line
+            # up). Only for a step of a shape already seen: a first long prompt is not a stall.
             a, b_d, b_p = fit
             predicted = a + b_d * decodes + b_p * prefill_tokens
-            seconds = min(seconds, _STALL_FACTOR * predicted + 1e-3)
+            seconds = min(seconds, _STALL_FACTOR * max(predicted, c.target_s))
         x = np.array([1.0, float(decodes), float(prefill_tokens)])
         d = self.config.decay
         self._xtx = d * self._xtx + np.outer(x, x)
@@ -199,8 +206,14 @@ class StepBudget:
         extrapolated to a chunk of 16 it called a tiny model's 25 ms steps unreachable and cut
         its running set to one or two."""
         a, b_d, b_p = fit
-        prompt_s = b_p * min(float(prompt), self._prompt_seen)
+        prompt_s = b_p * min(float(prompt), self._prompt_scale())
         return a + b_d * decodes + min(prompt_s, share * self.config.target_s)
+
+    def _prompt_scale(self) -> float:
+        """Prompt tokens the fit has seen in a step lately, a chunk's minimum at least (after
+        many decode-only steps the reserve would otherwise cost nothing, and the running set
+        grow until a prompt crept in at the minimum)."""
+        return max(self._prompt_seen, float(self.config.min_tokens))
 
     def _adjust_cap(self, decodes: int) -> None:
         """After a step with ``decodes`` running: one more may run while such a step leaves
