@@ -64,10 +64,6 @@ class APIError(Exception):
 
 
 DEADLINE_HEADER = "x-request-deadline-ms"
-# On a 429 (as OpenAI's API sends it): how long the server expects to go on refusing, in ms.
-# A poise replica sends it when its queue refuses, not for one request's deadline; the gateway
-# sends new work elsewhere meanwhile, and answers for it when every backend has said so.
-RETRY_AFTER_MS_HEADER = "retry-after-ms"
 # On a gateway's answer: how many upstream attempts it took (Envoy: x-envoy-attempt-count).
 ATTEMPT_COUNT_HEADER = "x-poise-attempt-count"
 # Asks a poise replica to put a note before each streamed event: the event's new token ids and

@@ -30,7 +30,7 @@ from opentelemetry import trace
 
 from poise.gateway.pool import Backend, Pool
 from poise.observability.tracing import Tracing
-from poise.protocol import DEADLINE_HEADER, RETRY_AFTER_MS_HEADER, APIError
+from poise.protocol import DEADLINE_HEADER, APIError
 from poise.resilience.latency import StreamTimer
 from poise.resilience.retry import RetryBudget, RetryPolicy
 
@@ -50,8 +50,6 @@ class Attempt:
     last_error: str | None = None
     overloaded: bool = False  # the last attempt was refused for load (429)
     cut_off: bool = False  # the last attempt was moved off a backend found dead
-    # Skip backends whose queue said it is refusing (a resumed stream is admitted past that).
-    heeds_refusals: bool = True
     span: trace.Span | None = None  # the request's span: each attempt is a child of it
 
 
@@ -121,10 +119,7 @@ class Forwarder:
         while True:
             # After a refusal for load, none of those that refused; otherwise not the last one.
             tried = journey.tried if journey.overloaded else journey.tried[-1:]
-            refusing = self._refusing(pool, journey)
-            backend = pool.pick(affinity, frozenset(tried) | refusing)
-            if backend is not None and backend in refusing:
-                raise _all_refusing(journey, refusing, self.clock())
+            backend = pool.pick(affinity, frozenset(tried))
             if backend is None or not backend.breaker.acquire():
                 why = f" (last error: {journey.last_error})" if journey.last_error else ""
                 raise APIError(
@@ -150,9 +145,7 @@ class Forwarder:
                 # A backend that refused for load said so at once, so that the request can go
                 # to another now. When every backend has refused, the client hears it now too,
                 # with Retry-After: waiting here would only spend its time-to-first-token.
-                refusing = self._refusing(pool, journey)
-                done = refusing.union(journey.tried)
-                untried = [b for b in pool.eligible() if b not in done]
+                untried = [b for b in pool.eligible() if b not in journey.tried]
                 if not untried:
                     raise _give_up(journey, retry_after)
             delay = self.policy.delay_s(
@@ -173,14 +166,6 @@ class Forwarder:
                 await asyncio.sleep(delay)
             finally:
                 self.budget.retry_ended()
-
-    def _refusing(self, pool: Pool, journey: Attempt) -> frozenset[Backend]:
-        """Backends that said, moments ago, that they refuse new work until a time not yet
-        come: asking again would cost the client a round trip to hear the same 429."""
-        if not journey.heeds_refusals:
-            return frozenset()
-        now = self.clock()
-        return frozenset(b for b in pool.backends if b.refusing_until > now)
 
     async def _attempt(
         self,
@@ -242,10 +227,6 @@ class Forwarder:
                     cut.armed = False
                     response.release()
                     journey.overloaded = status == 429
-                    if status == 429:
-                        refusing_s = _retry_after_ms(response)
-                        if refusing_s is not None:
-                            backend.refusing_until = self.clock() + refusing_s
                     if status in RETRYABLE_STATUS:
                         outcome.done("overloaded" if status == 429 else "error")
                         journey.last_error = f"{status} from {backend.url}: {_message(data)}"
@@ -386,22 +367,6 @@ def _give_up(journey: Attempt, retry_after: float | None = None) -> APIError:
     )
 
 
-def _all_refusing(journey: Attempt, refusing: frozenset[Backend], now: float) -> APIError:
-    """Every backend left has said it refuses new work for now: the gateway answers for them,
-    with the soonest time one expects to take work again."""
-    soonest = min(b.refusing_until for b in refusing) - now
-    why = journey.last_error or ", ".join(sorted(b.url for b in refusing)) + " refusing"
-    return APIError(
-        429,
-        f"every backend is overloaded ({why})",
-        code="overloaded",
-        headers={
-            "Retry-After": str(max(1, math.ceil(soonest))),
-            RETRY_AFTER_MS_HEADER: str(max(1, math.ceil(1000 * soonest))),
-        },
-    )
-
-
 def _renamed(body: bytes, model: str) -> bytes:
     """The body with the model under the name the backend knows it by."""
     return json.dumps({**json.loads(body), "model": model}).encode()
@@ -420,19 +385,6 @@ def _retry_after(response: aiohttp.ClientResponse) -> float | None:
         return None if raw is None else min(60.0, max(0.0, float(raw)))
     except ValueError:
         return None
-
-
-def _retry_after_ms(response: aiohttp.ClientResponse) -> float | None:
-    """The refusal's own estimate in seconds, trusted for one second at most: a wrong one
-    should not keep a backend out of rotation."""
-    raw = response.headers.get(RETRY_AFTER_MS_HEADER)
-    try:
-        return None if raw is None else min(_MOST_REFUSING_S, max(0.0, float(raw) / 1000))
-    except ValueError:
-        return None
-
-
-_MOST_REFUSING_S = 1.0
 
 
 HOP_HEADERS = frozenset(

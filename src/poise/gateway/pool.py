@@ -66,9 +66,6 @@ class Backend:
     # Its health answer says it is draining (a poise replica after SIGTERM): down for new
     # work, but what it holds finishes there and is not cut off.
     draining: bool = False
-    # Until when (gateway clock) its queue said it would refuse new work (``retry-after-ms``
-    # on a 429): new requests go elsewhere meanwhile, without a round trip to hear it again.
-    refusing_until: float = 0.0
     # Work in flight here that can move elsewhere without the client noticing (attempts still
     # waiting for their first byte, streams that can be resumed), each with how to cut it off:
     # when the health checks find the backend dead, that work should not wait for it.

@@ -314,9 +314,7 @@ async def _handle(
             "created": position.created,
         }
         body = json.dumps({**data, "model": served_by, "poise_resume": state}).encode()
-        journey = Attempt(
-            tried=[failed] if failed is not None else [], span=span, heeds_refusals=False
-        )
+        journey = Attempt(tried=[failed] if failed is not None else [], span=span)
         return await gw.forwarder.send(
             gw.pools[served_by], path, body, headers, deadline, True, affinity, journey
         )

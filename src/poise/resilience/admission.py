@@ -67,9 +67,6 @@ class Decision:
     predicted_wait_s: float
     retry_after_s: float  # whole seconds, at least 1, when refused; 0 when admitted
     shed: tuple[str, ...] = ()  # keys of waiting requests dropped to make room
-    # When the queue itself refuses (not one request's deadline): about how long it will keep
-    # refusing anyone, to the millisecond (a gateway may send elsewhere meanwhile).
-    refusing_s: float | None = None
 
 
 class AdmissionController:
@@ -230,5 +227,4 @@ class AdmissionController:
         return ticket
 
     def _refuse(self, reason: str, wait: float, retry_after: float) -> Decision:
-        refusing = None if reason == "deadline" else max(0.0, retry_after)
-        return Decision(False, reason, wait, float(max(1, math.ceil(retry_after))), (), refusing)
+        return Decision(False, reason, wait, float(max(1, math.ceil(retry_after))))

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
-import math
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -24,7 +23,7 @@ from poise.engine.errors import EngineDeadError, InvalidRequestError
 from poise.engine.intake import Resume
 from poise.engine.outputs import RequestOutput
 from poise.engine.request import Request, SamplingParams
-from poise.protocol import RETRY_AFTER_MS_HEADER, APIError, deadline_budget_s
+from poise.protocol import APIError, deadline_budget_s
 from poise.resilience.admission import AdmissionConfig, AdmissionController
 from poise.server.access import RequestReport
 from poise.server.metrics import EngineSnapshot, ServerMetrics
@@ -287,16 +286,12 @@ class Replica:
         if not decision.admitted:
             reason = decision.reason or "overloaded"
             self.metrics.reject(reason)
-            headers = {"Retry-After": str(int(decision.retry_after_s))}
-            if decision.refusing_s is not None:
-                # As OpenAI's API: how long this queue expects to refuse, to the millisecond.
-                headers[RETRY_AFTER_MS_HEADER] = str(max(1, math.ceil(1000 * decision.refusing_s)))
             raise APIError(
                 429,
                 f"the server is overloaded ({reason}): predicted queueing time "
                 f"{decision.predicted_wait_s:.2f}s, {len(self.admission.waiting)} requests waiting",
                 code=reason,
-                headers=headers,
+                headers={"Retry-After": str(int(decision.retry_after_s))},
             )
         for key in decision.shed:
             self.metrics.reject("shed")
