@@ -211,12 +211,12 @@ async def _handle(
             )
     headers = {"content-type": "application/json", REQUEST_ID_HEADER: record.request_id}
     priority = key.priority if key else 0
-    if priority:
-        asked = data.get("priority")
-        # A client may lower its own importance below its key's, never raise it.
-        if isinstance(asked, int) and asked > priority:
-            priority = asked
-        headers["x-priority"] = str(priority)
+    asked = data.get("priority")
+    # A client may lower its own importance below its key's (0 without a key), never raise
+    # it: the header is the floor a poise replica holds the body's priority to.
+    if isinstance(asked, int) and not isinstance(asked, bool) and asked > priority:
+        priority = asked
+    headers["x-priority"] = str(priority)
     record.priority = priority
     if span is not None:
         tr.set_attributes(

@@ -40,17 +40,17 @@ def sse(payload: Mapping[str, Any]) -> bytes:
 
 
 def priority_from(body_priority: int | None, header: str | None) -> int:
-    if body_priority is not None:
-        return body_priority
+    """The body's ``priority`` or the ``X-Priority`` header; with both, the less urgent. A
+    gateway sets the header to what the client's key allows, so a body cannot raise it."""
     if header is None:
-        return 0
+        return 0 if body_priority is None else body_priority
     try:
         value = int(header)
     except ValueError:
         raise APIError(400, "X-Priority must be an integer", param="X-Priority") from None
     if not -(2**31) < value < 2**31:
         raise APIError(400, "X-Priority is out of range", param="X-Priority")
-    return value
+    return value if body_priority is None else max(value, body_priority)
 
 
 def _sampling(
@@ -300,7 +300,10 @@ def _start(
 ) -> list[Prepared]:
     replica.check_accepting()
     group = replica.prepare(prompts, samplings, priority, deadline, add_special_tokens, resume)
-    replica.admit(group, priority, deadline, continuation=resume is not None)
+    # Only a resume that carries generated tokens continues anything (an empty one is a fresh
+    # request under another name, and gets no pass).
+    continuation = resume is not None and len(resume.token_ids) > 0
+    replica.admit(group, priority, deadline, continuation=continuation)
     return group
 
 
