@@ -158,12 +158,14 @@ def test_retry_budget_caps_retries_while_one_replica_fails(gateway, pair):
     retries = metric(g, "poise_gateway_retries_total")
     refused = metric(g, "poise_gateway_retry_budget_exhausted_total")
     peak = metric(g, "poise_gateway_retries_peak_concurrent")
-    # Every retry that ran went to the healthy one, which served it or refused it for load.
-    assert results.count(200) + results.count(429) >= retries > 0
+    # At most the one retry each allows. (Where a retry went is not fixed: after a 429 from
+    # the healthy one, the retry goes to the failing one, and its 500 ends the request as a
+    # 502 with no budget refusal.)
+    assert 0 < retries <= len(results)
     # The budget said no, and it showed: each refusal answered explicitly, 502 after a 500 or
     # 429 (with Retry-After) when the last backend asked had refused for load.
     assert refused > 0
-    assert results.count(502) <= refused <= results.count(502) + results.count(429)
+    assert refused <= results.count(502) + results.count(429)
     assert peak <= max(2, math.floor(0.2 * 30)), peak
     # Sequential requests are within the budget's minimum: all of them succeed.
     assert [post(g, SMALL)[0] for _ in range(6)] == [200] * 6
