@@ -107,12 +107,14 @@ class StepBudget:
         if fit is not None and prefill_tokens <= self._prompt_scale():
             # One stall (a collection, the core lent to a neighbour) moved the fixed cost of a
             # 50 ms step to 70 ms, and the budget stood aside as out of reach. Fitted no
-            # further than a few times the prediction (or the target), a stall barely counts
-            # and a lasting slowdown is still learned within a few steps (each pulls the line
-            # up). Only for a step of a shape already seen: a first long prompt is not a stall.
+            # further than a few times the prediction, a stall barely counts and a lasting
+            # slowdown is still learned within a few steps (each pulls the line up). Only for a
+            # step of a shape already seen: a first long prompt is not a stall. (Clipped at
+            # three targets instead, stalls of 150-240 ms behind `poise up` got in, and its
+            # replicas' budgets stood aside 11 times in one run: TPOT p99 205 ms.)
             a, b_d, b_p = fit
             predicted = a + b_d * decodes + b_p * prefill_tokens
-            seconds = min(seconds, _STALL_FACTOR * max(predicted, c.target_s))
+            seconds = min(seconds, _STALL_FACTOR * predicted + 1e-3)
         x = np.array([1.0, float(decodes), float(prefill_tokens)])
         d = self.config.decay
         self._xtx = d * self._xtx + np.outer(x, x)
