@@ -89,13 +89,15 @@ class PoolGate:
                 await waiter
         except TimeoutError:
             self._forget(ident)
+            if _admitted(waiter):  # let in by the same loop pass that ended its wait
+                self.leave()
             self.on_refusal(self.pool.model, "deadline")
             raise APIError(
                 504, "the request's deadline passed in the gateway's queue", code="timeout"
             ) from None
         except BaseException:  # the client left; give back a place we may already hold
             self._forget(ident)
-            if waiter.done() and not waiter.cancelled() and waiter.exception() is None:
+            if _admitted(waiter):
                 self.leave()
             raise
 
@@ -134,3 +136,8 @@ class PoolGate:
                 await asyncio.sleep(PUMP_INTERVAL_S)
         finally:
             self._pump = None
+
+
+def _admitted(waiter: asyncio.Future[None]) -> bool:
+    """The waiter was given a place (which the request, now leaving, must give back)."""
+    return waiter.done() and not waiter.cancelled() and waiter.exception() is None

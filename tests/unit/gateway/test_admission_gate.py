@@ -112,3 +112,19 @@ async def test_a_client_that_leaves_gives_its_place_back():
     assert len(g.line) == 0 and g.admitted == 1
     g.leave()
     assert g.admitted == 0
+
+
+async def test_a_place_given_as_the_deadline_fires_is_given_back():
+    """Admitted and timed out in the same loop pass: the 504 must not keep the place."""
+    clock = Clock()
+    g = gate(clock, max_inflight_per_backend=1)
+    await g.enter(0, clock.now + 30)  # takes the only place
+    late = asyncio.create_task(g.enter(0, clock.now))  # its deadline has passed: times out now
+    await asyncio.sleep(0)  # it waits in the line, its timeout due in the next loop pass
+    g.leave()  # ... and in this pass the place goes to it
+    with pytest.raises(APIError) as err:
+        await late
+    assert err.value.status == 504
+    assert g.admitted == 0  # nobody holds a place
+    await g.enter(0, clock.now + 30)  # and the next request gets it at once
+    assert g.admitted == 1
