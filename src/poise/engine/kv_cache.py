@@ -198,7 +198,13 @@ class KVCacheManager:
         return block_id
 
     def cache_full_blocks(self, request: Request) -> None:
-        """Register the request's newly full, computed blocks in the prefix cache."""
+        """Register the request's newly full, computed blocks in the prefix cache.
+
+        Only blocks wholly below ``num_computed_tokens``: the lookup hashed every full block of
+        the prompt, and a chunk that ends mid-block leaves the rest of its last block unwritten.
+        Registered, that block would be adopted by a later request with the same prefix (or by
+        this one, back from preemption) and its unwritten slots read as K/V.
+        """
         if not self.enable_prefix_caching:
             return
         table = self._tables.get(request.request_id)
@@ -206,7 +212,7 @@ class KVCacheManager:
             return
         hashes = self._hash_full_blocks(request, request.num_computed_tokens)
         bs = self.block_size
-        for i in range(min(len(hashes), len(table))):
+        for i in range(min(request.num_computed_tokens // bs, len(table))):
             if table[i] == NULL_BLOCK:
                 continue
             block = self.blocks[table[i]]

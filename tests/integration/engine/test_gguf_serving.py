@@ -3,14 +3,13 @@ same text for F32, the same top-1 token on nearly every step for Q8_0, and the s
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
-import torch
-from transformers import AutoModelForCausalLM, Phi3Config, Qwen3Config
+from transformers import Phi3Config, Qwen3Config
 
 from ggufwriter import write_gguf
+from hfreference import save_transformers_checkpoint as save
 from poise import LLM, SamplingParams
 from testconfigs import TINY_HF_CONFIG
 
@@ -25,15 +24,6 @@ MAX_NEW = 16
 SMALL = TINY_HF_CONFIG
 
 
-def _transformers_dir(root: Path, name: str, config, tokenizer_dir: Path) -> Path:
-    torch.manual_seed(7)
-    path = root / name
-    AutoModelForCausalLM.from_config(config).save_pretrained(path)
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(tokenizer_dir / f, path / f)
-    return path
-
-
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory, model_dirs) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("gguf-serving")
@@ -41,8 +31,8 @@ def checkpoints(tmp_path_factory, model_dirs) -> dict[str, Path]:
     return {
         "llama": model_dirs["llama"],  # with Llama 3 rope scaling: frequency factors in GGUF
         "qwen2": model_dirs["qwen2"],  # tied embeddings, q/k/v biases
-        "qwen3": _transformers_dir(root, "qwen3", Qwen3Config(**SMALL, head_dim=32), tok),
-        "phi3": _transformers_dir(root, "phi3", Phi3Config(**SMALL, pad_token_id=0), tok),
+        "qwen3": save(root / "qwen3", Qwen3Config(**SMALL, head_dim=32), tok),
+        "phi3": save(root / "phi3", Phi3Config(**SMALL, pad_token_id=0), tok),
     }
 
 

@@ -1,9 +1,8 @@
 """Greedy decoding token for token equal to Hugging Face transformers on the same checkpoint."""
 
 import pytest
-import torch
-from transformers import AutoModelForCausalLM
 
+from hfreference import transformers_greedy
 from poise import LLM, SamplingParams
 
 MAX_NEW = 24
@@ -19,20 +18,7 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def references(model_dirs):
-    refs = {}
-    for arch, path in model_dirs.items():
-        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-        refs[arch] = []
-        for p in PROMPTS:
-            out = hf.generate(
-                torch.tensor([p]),
-                do_sample=False,
-                max_new_tokens=MAX_NEW,
-                min_new_tokens=MAX_NEW,
-                pad_token_id=0,
-            )
-            refs[arch].append(out[0, len(p) :].tolist())
-    return refs
+    return {arch: transformers_greedy(path, PROMPTS, MAX_NEW) for arch, path in model_dirs.items()}
 
 
 ENGINE_SETUPS = {

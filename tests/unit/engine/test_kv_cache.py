@@ -88,3 +88,19 @@ def test_double_free_is_detected():
     kv.blocks[kv.block_table("a")[0]].ref_cnt = 0
     with pytest.raises(RuntimeError, match="freed more often"):
         kv.free(a)
+
+
+def test_only_blocks_wholly_computed_are_cached():
+    # The lookup hashes every full block of the prompt; a chunk that ends mid-block must not
+    # register that block, whose last slots hold no K/V yet (issue 17, item 9).
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    a = req("a", list(range(16)))
+    assert kv.get_computed_blocks(a) == []
+    assert len(a.block_hashes) == 3
+    assert kv.allocate_slots(a, 6)
+    a.num_computed_tokens = 6
+    kv.cache_full_blocks(a)
+    assert kv.num_cached_blocks == 1
+    a.num_computed_tokens = 8
+    kv.cache_full_blocks(a)
+    assert kv.num_cached_blocks == 2

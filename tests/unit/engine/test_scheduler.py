@@ -174,6 +174,38 @@ def test_prefix_cache_skips_computed_tokens():
     assert s.kv.stats.hit_tokens == 12
 
 
+def test_a_chunk_ending_mid_block_leaves_that_block_out_of_the_prefix_cache():
+    # Issue 17, item 9: block 1 holds positions 4-7, of which the first step computes 4-5.
+    # Once the request is aborted, the same prompt may reuse block 0 only: adopting block 1
+    # would skip positions 6-7, whose K/V was never written.
+    s, _ = make_scheduler(block_size=4, max_num_batched_tokens=6)
+    add(s, "a", 16)
+    assert run_step(s).num_batched_tokens == 6
+    assert s.finish_request("a", RequestStatus.FINISHED_ABORTED)
+    b = add(s, "b", 16)
+    out = run_step(s)
+    assert out.sequences[0].start_position == 4
+    assert b.num_cached_prompt_tokens == 4
+
+
+def test_a_preempted_chunk_does_not_readopt_its_half_computed_block():
+    # "a" computes 2 of its first block's 4 positions, then "hi"'s decode takes the last free
+    # block and "a" yields it. Back from the queue, "a" must start again at position 0.
+    s, _ = make_scheduler(blocks=3, block_size=4, max_num_batched_tokens=6)
+    add(s, "hi", 4, max_tokens=2, priority=0)
+    a = add(s, "a", 8, max_tokens=1, priority=1, first=100)
+    out = run_step(s)
+    assert [(q.request_id, len(q.token_ids)) for q in out.sequences] == [("hi", 4), ("a", 2)]
+    out = run_step(s)
+    assert out.preempted_request_ids == ["a"]
+    out = run_step(s)
+    assert [(q.request_id, q.start_position) for q in out.sequences] == [("a", 0)]
+    assert a.num_cached_prompt_tokens == 0
+    while s.has_unfinished:
+        run_step(s)
+    assert a.finish_reason == "length"
+
+
 def test_a_time_budget_serves_decodes_first_then_prefill_and_caps_the_running_set():
     s, _ = make_scheduler(max_num_batched_tokens=64)
     for i in range(3):

@@ -1,4 +1,5 @@
-"""Random sequences of add / step / abort / finish keep the KV pool's books straight."""
+"""Random sequences of add / step / abort / finish keep the KV pool's books straight, and no step
+reads a position of the KV pool that was not written with that position's token."""
 
 from collections import Counter
 
@@ -26,6 +27,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         )
         self.n = 0
         self.ended: Counter[str] = Counter()
+        # A fake KV pool: slot -> the token whose K/V a step wrote there.
+        self.slots: dict[int, int] = {}
 
     @rule(
         prefix=st.sampled_from(PREFIXES),
@@ -61,6 +64,12 @@ class SchedulerMachine(RuleBasedStateMachine):
         out = self.s.schedule()
         for seq in out.sequences:
             assert len(seq.block_table) * 4 >= seq.start_position + len(seq.token_ids)
+            tokens = [*seq.prompt_token_ids, *seq.output_token_ids]
+            for pos in range(seq.start_position):  # the context this step attends to
+                slot = seq.block_table[pos // 4] * 4 + pos % 4
+                assert self.slots.get(slot) == tokens[pos], f"position {pos} was never written"
+            for pos, t in enumerate(seq.token_ids, seq.start_position):
+                self.slots[seq.block_table[pos // 4] * 4 + pos % 4] = t
         self.s.update_from_output(out, {q.request_id: token for q in out.sequences if q.sample})
         self.now += 1.0
 
