@@ -1,10 +1,13 @@
 """The native decode-attention kernel against the PyTorch path it replaces."""
 
 import logging
+import subprocess
 
 import pytest
 import torch
 
+from hfreference import transformers_greedy
+from poise import LLM, SamplingParams
 from poise.engine import kernels
 from poise.engine.kernels import load_paged_decode_attention
 
@@ -49,9 +52,32 @@ def test_no_compiler_falls_back_to_pytorch(tmp_path, monkeypatch, caplog):
     assert "no C compiler" in caplog.text
 
 
-def test_engine_runs_with_either_attention_path(llama_dir):
-    from poise import LLM, SamplingParams
+def test_a_build_that_crashes_on_this_cpu_leaves_the_engine_on_pytorch(
+    llama_dir, tmp_path, monkeypatch, caplog
+):
+    # What a cache shared with a CPU of more instructions could hold: a build whose first call
+    # is an illegal instruction. It must cost the trial run's child, not the engine.
+    trap = tmp_path / "trap.c"
+    trap.write_text(
+        "int paged_decode_attention_f32(void) { __builtin_trap(); }\n"
+        "int paged_decode_attention_bf16(void) { __builtin_trap(); }\n"
+    )
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    cmd = ["cc", "-shared", "-fPIC", str(trap), "-o", str(kernels.build_path(cache))]
+    subprocess.run(cmd, check=True)
+    monkeypatch.setattr(kernels, "default_cache_dir", lambda: cache)
+    with caplog.at_level(logging.WARNING, logger="poise.engine.kernels"):
+        llm = LLM(llama_dir, dtype="float32", native_kernels=True)
+    assert llm.engine.runner.decode_kernel is None
+    assert "trial run failed" in caplog.text and "killed by signal" in caplog.text
+    prompt = [1, *range(10, 30)]
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    got = llm.generate([{"prompt_token_ids": prompt}], sp)[0].outputs[0].token_ids
+    assert got == transformers_greedy(llama_dir, [prompt], 8)[0]
 
+
+def test_engine_runs_with_either_attention_path(llama_dir):
     sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     prompts = ["The for statement", "Exceptions are raised when something goes wrong"]
     native = LLM(llama_dir, native_kernels=True)

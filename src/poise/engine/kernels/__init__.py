@@ -4,8 +4,15 @@ Why hand-written: decode attention over a paged cache in plain PyTorch must firs
 sequence's blocks into a contiguous copy and then read that copy twice; on the CPU that is
 memory-bound and costs about two thirds of a decode step. The kernel in ``paged_attention.c``
 reads every K/V row once, straight from the pool. It needs only a C compiler with OpenMP (no
-PyTorch headers, no ninja), builds in about a second, and is cached by the hash of its source.
-When it cannot be built, poise logs why and uses the PyTorch path: nothing depends on it.
+PyTorch headers, no ninja), and builds in about a second.
+
+It is built with ``-march=native``, so a build is only good on CPUs with the instructions of the
+one that built it: the cache key covers the source, the compiler flags and this CPU's identity
+(its architecture, model and instruction-set flags), so a cache directory shared by machines
+with different CPUs holds one build per kind of CPU. Before it is trusted, each build is run
+once in a child process: an instruction the CPU lacks then kills the child, not the engine.
+When it cannot be built, loaded or run, poise logs why (once) and uses the PyTorch path:
+nothing depends on it.
 """
 
 from __future__ import annotations
@@ -14,8 +21,11 @@ import ctypes
 import hashlib
 import logging
 import os
+import platform
 import shutil
+import signal
 import subprocess
+import sys
 import tempfile
 import threading
 from pathlib import Path
@@ -25,6 +35,36 @@ import torch
 log = logging.getLogger("poise.engine.kernels")
 
 _SOURCE = Path(__file__).with_name("paged_attention.c")
+# Reassociation lets the dot products vectorize; finite-math stays off (-inf is used).
+_CFLAGS = (
+    "-O3",
+    "-march=native",
+    "-fopenmp",
+    "-shared",
+    "-fPIC",
+    "-std=c11",
+    "-ffp-contract=fast",
+    "-fno-math-errno",
+    "-fassociative-math",
+    "-fno-signed-zeros",
+    "-fno-trapping-math",
+)
+# /proc/cpuinfo's fields that say which instructions -march=native may use: x86's flags and
+# model, Arm's features and part numbers.
+_CPU_FIELDS = frozenset(
+    {
+        "vendor_id",
+        "cpu family",
+        "model",
+        "model name",
+        "flags",
+        "features",
+        "cpu implementer",
+        "cpu architecture",
+        "cpu variant",
+        "cpu part",
+    }
+)
 _lock = threading.Lock()
 _loaded: dict[Path, PagedDecodeAttention | None] = {}
 
@@ -87,10 +127,42 @@ class PagedDecodeAttention:
         return out
 
 
+def cpu_identity(cpuinfo: str | None = None) -> str:
+    """What ``-march=native`` compiles for here: the machine's architecture and, from
+    ``/proc/cpuinfo`` (``cpuinfo``: its text, read when None), the CPU models and their
+    instruction-set flags. Off Linux, where there is no such file, the architecture alone."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text(errors="replace")
+        except OSError:
+            cpuinfo = ""
+    fields = set()
+    for line in cpuinfo.splitlines():
+        name, sep, value = line.partition(":")
+        name = name.strip().lower()
+        if sep and name in _CPU_FIELDS:
+            if name in ("flags", "features"):
+                value = " ".join(sorted(value.split()))  # the set matters, not the order
+            fields.add(f"{name}: {value.strip()}")
+    # Every distinct line of every processor: a hybrid CPU's cores may differ.
+    return "\n".join([platform.machine(), *sorted(fields)])
+
+
+def kernel_key(source: bytes, cpu: str) -> str:
+    """The build's cache key: a build is reused only for the same source, flags and CPU."""
+    digest = hashlib.sha256(source)
+    for part in (" ".join(_CFLAGS), cpu):
+        digest.update(b"\0" + part.encode())
+    return digest.hexdigest()[:16]
+
+
+def build_path(cache_dir: Path) -> Path:
+    """Where this CPU's build of the kernel lives in ``cache_dir``."""
+    return cache_dir / f"paged_attention-{kernel_key(_SOURCE.read_bytes(), cpu_identity())}.so"
+
+
 def _build(cache_dir: Path) -> Path:
-    source = _SOURCE.read_bytes()
-    digest = hashlib.sha256(source).hexdigest()[:16]
-    target = cache_dir / f"paged_attention-{digest}.so"
+    target = build_path(cache_dir)
     if target.is_file():
         return target
     compiler = shutil.which("cc") or shutil.which("gcc")
@@ -99,25 +171,7 @@ def _build(cache_dir: Path) -> Path:
     cache_dir.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache_dir)
     os.close(fd)
-    # Reassociation lets the dot products vectorize; finite-math stays off (-inf is used).
-    cmd = [
-        compiler,
-        "-O3",
-        "-march=native",
-        "-fopenmp",
-        "-shared",
-        "-fPIC",
-        "-std=c11",
-        "-ffp-contract=fast",
-        "-fno-math-errno",
-        "-fassociative-math",
-        "-fno-signed-zeros",
-        "-fno-trapping-math",
-        str(_SOURCE),
-        "-o",
-        tmp,
-        "-lm",
-    ]
+    cmd = [compiler, *_CFLAGS, str(_SOURCE), "-o", tmp, "-lm"]
     try:
         subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=120)
         os.replace(tmp, target)  # atomic: concurrent builders never see half a file
@@ -129,14 +183,61 @@ def _build(cache_dir: Path) -> Path:
     return target
 
 
+# One call of each kernel on a tiny context whose values are all 1, so the output must be 1
+# (within rounding: f32 to 1e-5, bf16 to one step of its last bit). Only ctypes: the child
+# starts in tens of milliseconds.
+_TRIAL = """
+import ctypes, sys
+lib = ctypes.CDLL(sys.argv[1])
+n, heads, kv_heads, dim, bs = 1, 2, 1, 64, 4
+kinds = {"f32": (ctypes.c_float, 1.0, 1e-5), "bf16": (ctypes.c_uint16, 0x3F80, 1)}
+for name, (ctype, one, tol) in kinds.items():
+    fn = getattr(lib, "paged_decode_attention_" + name)
+    fn.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 7 + [ctypes.c_float, ctypes.c_int]
+    q = (ctype * (heads * dim))(*[one] * (heads * dim))
+    kv = (ctype * (bs * dim))(*[one] * (bs * dim))
+    out = (ctype * (heads * dim))()
+    table, ctx = (ctypes.c_int64 * 1)(0), (ctypes.c_int64 * 1)(3)
+    args = (q, kv, kv, table, ctx, None, out, n, heads, kv_heads, dim, bs, bs, 1, 0.125, 1)
+    if fn(*args) != 0 or any(abs(x - one) > tol for x in out):
+        sys.exit(name + " gave a wrong answer")
+"""
+
+
+def _trial_run(path: Path) -> None:
+    """Raise unless the build runs correctly here; a crash (SIGILL) stays in the child."""
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", _TRIAL, str(path)],
+            check=False,  # a failure is read from the status below, a signal included
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    except subprocess.TimeoutExpired as exc:
+        raise RuntimeError("the kernel's trial run did not finish within 60 s") from exc
+    if done.returncode < 0:  # killed: SIGILL for an instruction this CPU lacks
+        why = f"killed by signal {-done.returncode}: {signal.strsignal(-done.returncode)}"
+        raise RuntimeError(f"the kernel's trial run failed ({path.name}): {why}")
+    if done.returncode > 0:
+        why = done.stderr.strip()[-300:] or f"exit status {done.returncode}"
+        raise RuntimeError(f"the kernel's trial run failed ({path.name}): {why}")
+
+
+def _load(cache_dir: Path) -> PagedDecodeAttention:
+    path = _build(cache_dir)
+    _trial_run(path)
+    return PagedDecodeAttention(ctypes.CDLL(str(path)))
+
+
 def load_paged_decode_attention(cache_dir: Path | None = None) -> PagedDecodeAttention | None:
-    """The kernel, or None (logged once) when it cannot be built or loaded here."""
+    """The kernel, or None (logged once) when it cannot be built, loaded or run here."""
     cache_dir = cache_dir or default_cache_dir()
     with _lock:
         if cache_dir not in _loaded:
             try:
-                _loaded[cache_dir] = PagedDecodeAttention(ctypes.CDLL(str(_build(cache_dir))))
-            except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+                _loaded[cache_dir] = _load(cache_dir)
+            except Exception as exc:  # whatever went wrong, the PyTorch path still serves
                 log.warning("native decode attention unavailable, using PyTorch: %s", exc)
                 _loaded[cache_dir] = None
         return _loaded[cache_dir]
