@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from poise import LLM, SamplingParams
+from poise.engine.intake import RequestOptions
 from poise.modelgen.make_model import make_model
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -109,7 +110,7 @@ def run_poise(model_dir: Path, dtype: str, w: Workload, kv_bytes: int) -> PoiseR
     engine = llm.engine
     for i, (prompt, out) in enumerate(zip(w.prompts, w.output_lens, strict=True)):
         sp = SamplingParams(temperature=0, max_tokens=out, ignore_eos=True)
-        request, _ = engine.prepare_request(prompt, sp, request_id=f"w1-{i}")
+        request, _ = engine.prepare_request(prompt, RequestOptions(sp, request_id=f"w1-{i}"))
         engine.add_request(request)
     usages, fills, produced, steps = [], [], 0, 0
     t0 = time.perf_counter()

@@ -22,9 +22,9 @@ from typing import Any
 
 from poise.engine.errors import EngineDeadError
 from poise.engine.generation_config import SamplingDefaults
-from poise.engine.intake import RequestFactory, Resume
+from poise.engine.intake import RequestFactory, RequestOptions
 from poise.engine.outputs import EngineStats, RequestOutput
-from poise.engine.request import Request, SamplingParams
+from poise.engine.request import Request
 from poise.engine.tokenizer import Tokenizer
 
 
@@ -89,22 +89,12 @@ class EngineClient(ABC):
         return bool(self._streams)
 
     def prepare(
-        self,
-        prompt: str | list[int],
-        sampling: SamplingParams,
-        request_id: str | None = None,
-        priority: int = 0,
-        deadline: float | None = None,
-        add_special_tokens: bool = True,
-        is_probe: bool = False,
-        resume: Resume | None = None,
+        self, prompt: str | list[int], options: RequestOptions
     ) -> tuple[Request, str | None]:
         """Validate and tokenize in the caller's thread; raises on bad input, submits nothing."""
         if not self.is_alive:
             raise EngineDeadError(self.dead_reason or "the engine is not running")
-        return self.intake.prepare(
-            prompt, sampling, request_id, priority, deadline, add_special_tokens, is_probe, resume
-        )
+        return self.intake.prepare(prompt, options)
 
     async def stream(self, request: Request, text: str | None) -> AsyncIterator[RequestOutput]:
         """Submit a prepared request; its outputs until it finishes. Leaving early aborts it."""
@@ -137,18 +127,10 @@ class EngineClient(ABC):
                 self.abort(rid)
 
     async def generate(
-        self,
-        prompt: str | list[int],
-        sampling: SamplingParams,
-        request_id: str | None = None,
-        priority: int = 0,
-        deadline: float | None = None,
-        add_special_tokens: bool = True,
-        is_probe: bool = False,
+        self, prompt: str | list[int], options: RequestOptions
     ) -> AsyncIterator[RequestOutput]:
-        request, text = self.prepare(
-            prompt, sampling, request_id, priority, deadline, add_special_tokens, is_probe
-        )
+        """``prepare`` then ``stream``: the request's outputs until it finishes."""
+        request, text = self.prepare(prompt, options)
         async for out in self.stream(request, text):
             yield out
 

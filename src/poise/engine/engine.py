@@ -19,13 +19,13 @@ from poise.engine.errors import InvalidRequestError
 from poise.engine.faults import FaultInjector
 from poise.engine.forecast import IDLE_FORECAST, SlotForecast, SlotForecaster
 from poise.engine.generation_config import load_generation_config
-from poise.engine.intake import IntakeLimits, RequestFactory
+from poise.engine.intake import IntakeLimits, RequestFactory, RequestOptions
 from poise.engine.kernels import load_paged_decode_attention
 from poise.engine.kv_cache import KVCacheManager, kv_bytes_per_token, num_blocks_for_budget
 from poise.engine.models.checkpoint import load_tokenizer, open_checkpoint
 from poise.engine.models.loader import load_model
 from poise.engine.outputs import CompletionOutput, EngineStats, RequestOutput
-from poise.engine.request import Request, RequestStatus, SamplingParams
+from poise.engine.request import Request, RequestStatus
 from poise.engine.runner import ModelRunner
 from poise.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from poise.engine.step_budget import StepBudget, StepBudgetConfig
@@ -140,19 +140,10 @@ class LLMEngine:
 
     # ----- intake -----
     def prepare_request(
-        self,
-        prompt: str | list[int],
-        sampling: SamplingParams,
-        request_id: str | None = None,
-        priority: int = 0,
-        deadline: float | None = None,
-        add_special_tokens: bool = True,
-        is_probe: bool = False,
+        self, prompt: str | list[int], options: RequestOptions
     ) -> tuple[Request, str | None]:
         """Validate and tokenize; touches no shared state, so any thread may call it."""
-        return self.intake.prepare(
-            prompt, sampling, request_id, priority, deadline, add_special_tokens, is_probe
-        )
+        return self.intake.prepare(prompt, options)
 
     def add_request(self, request: Request, prompt: str | None = None) -> None:
         request.cache_salt = self.model.prefix_cache_salt(

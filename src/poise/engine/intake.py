@@ -1,4 +1,4 @@
-"""Turning a prompt and sampling parameters into a validated engine ``Request``.
+"""Turning a prompt and its ``RequestOptions`` into a validated engine ``Request``.
 
 It needs only the tokenizer and a few numbers about the loaded model and its KV pool
 (``IntakeLimits``), never the weights, so a front end whose engine runs in another process
@@ -37,6 +37,20 @@ class Resume:
     text_chars: int = 0
 
 
+@dataclass(frozen=True, slots=True)
+class RequestOptions:
+    """Everything about one request but its prompt, as a front end asks for it; passed whole
+    from the front end (``EngineClient.prepare``, ``LLMEngine.prepare_request``) to here."""
+
+    sampling: SamplingParams
+    request_id: str | None = None  # None: a fresh random id
+    priority: int = 0  # lower is served first, and preempted last
+    deadline: float | None = None  # on the engine's clock; reached, the request ends as timeout
+    add_special_tokens: bool = True  # a text prompt gets the tokenizer's BOS and the like
+    is_probe: bool = False  # a health check's one-token request: passes the queue's caps
+    resume: Resume | None = None  # continue a generation another replica began (failover)
+
+
 def check_fits(request: Request, num_blocks: int, block_size: int) -> None:
     """Refuse at once what can never fit the KV pool, however idle the engine is."""
     need = -(-(request.num_prompt_tokens + request.max_tokens) // block_size)
@@ -63,21 +77,14 @@ class RequestFactory:
         self.clock = clock
 
     def prepare(
-        self,
-        prompt: str | list[int],
-        sampling: SamplingParams,
-        request_id: str | None = None,
-        priority: int = 0,
-        deadline: float | None = None,
-        add_special_tokens: bool = True,
-        is_probe: bool = False,
-        resume: Resume | None = None,
+        self, prompt: str | list[int], options: RequestOptions
     ) -> tuple[Request, str | None]:
-        """``resume``: continue a generation another replica began (mid-stream failover)."""
+        """The request and its prompt's text (None for token ids); raises on bad input."""
         lim = self.limits
+        sampling = options.sampling
         if isinstance(prompt, str):
             text: str | None = prompt
-            ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+            ids = self.tokenizer.encode(prompt, add_special_tokens=options.add_special_tokens)
             if ids and max(ids) >= lim.vocab_size:
                 # A tokenizer with added tokens past the model's embeddings: the model has no
                 # row for them, and feeding one would fail the whole batch's step.
@@ -118,18 +125,18 @@ class RequestFactory:
                 param="max_tokens",
             )
         request = Request(
-            request_id=request_id or uuid.uuid4().hex,
+            request_id=options.request_id or uuid.uuid4().hex,
             prompt_token_ids=ids,
             sampling=sampling,
             arrival_time=self.clock(),
             max_tokens=max_tokens,
             eos_token_ids=lim.eos_token_ids,
-            priority=priority,
-            deadline=deadline,
-            is_probe=is_probe,
+            priority=options.priority,
+            deadline=options.deadline,
+            is_probe=options.is_probe,
         )
-        if resume is not None:
-            self._resume(request, resume)
+        if options.resume is not None:
+            self._resume(request, options.resume)
         check_fits(request, lim.num_kv_blocks, lim.block_size)
         return request, text
 

@@ -11,6 +11,7 @@ from tqdm import tqdm
 from poise.engine.config import EngineConfig
 from poise.engine.engine import LLMEngine
 from poise.engine.generation_config import check_mode
+from poise.engine.intake import RequestOptions
 from poise.engine.outputs import RequestOutput
 from poise.engine.request import SamplingParams
 
@@ -70,7 +71,8 @@ class LLM:
             source: str | list[int] = (
                 prompt if isinstance(prompt, str) else list(prompt["prompt_token_ids"])
             )
-            prepared.append(self.engine.prepare_request(source, sp, request_id=str(self._counter)))
+            options = RequestOptions(sp, request_id=str(self._counter))
+            prepared.append(self.engine.prepare_request(source, options))
             self._counter += 1
         for request, text in prepared:
             self.engine.add_request(request, text)

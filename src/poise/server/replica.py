@@ -20,7 +20,7 @@ from typing import Any
 from poise.config import ServerSettings
 from poise.engine.client import EngineClient
 from poise.engine.errors import EngineDeadError, InvalidRequestError
-from poise.engine.intake import Resume
+from poise.engine.intake import RequestOptions, Resume
 from poise.engine.outputs import RequestOutput
 from poise.engine.request import Request, SamplingParams
 from poise.protocol import APIError, deadline_budget_s
@@ -203,10 +203,12 @@ class Replica:
                 ids = self.engine.tokenizer.encode("ok", add_special_tokens=False) or [0]
                 request, text = self.engine.prepare(
                     ids,
-                    SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True),
-                    priority=PROBE_PRIORITY,
-                    deadline=t0 + timeout,
-                    is_probe=True,
+                    RequestOptions(
+                        SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True),
+                        priority=PROBE_PRIORITY,
+                        deadline=t0 + timeout,
+                        is_probe=True,
+                    ),
                 )
                 async for out in self.engine.stream(request, text):
                     if out.finished:
@@ -254,11 +256,13 @@ class Replica:
             for prompt, sampling in zip(prompts, samplings, strict=True):
                 request, text = self.engine.prepare(
                     prompt,
-                    sampling,
-                    priority=priority,
-                    deadline=deadline,
-                    add_special_tokens=add_special_tokens,
-                    resume=resume,
+                    RequestOptions(
+                        sampling,
+                        priority=priority,
+                        deadline=deadline,
+                        add_special_tokens=add_special_tokens,
+                        resume=resume,
+                    ),
                 )
                 out.append(Prepared(request, text))
         except InvalidRequestError as exc:

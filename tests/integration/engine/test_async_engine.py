@@ -6,6 +6,7 @@ from poise.engine.async_engine import AsyncEngine
 from poise.engine.config import EngineConfig
 from poise.engine.engine import LLMEngine
 from poise.engine.errors import EngineDeadError, InvalidRequestError
+from poise.engine.intake import RequestOptions
 from poise.engine.request import SamplingParams
 
 
@@ -19,7 +20,7 @@ async def engine(llama_dir):
 
 async def test_stream_yields_tokens_then_finishes(engine):
     sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    outs = [o async for o in engine.generate("The for statement", sp)]
+    outs = [o async for o in engine.generate("The for statement", RequestOptions(sp))]
     assert [len(o.outputs[0].delta_token_ids) for o in outs] == [1] * 8
     assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "length"
     assert "".join(o.outputs[0].delta_text for o in outs) == outs[-1].outputs[0].text
@@ -29,7 +30,7 @@ async def test_concurrent_requests_all_finish(engine):
     sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
     async def one(i):
-        return [o async for o in engine.generate(f"prompt {i}", sp)][-1]
+        return [o async for o in engine.generate(f"prompt {i}", RequestOptions(sp))][-1]
 
     results = await asyncio.gather(*(one(i) for i in range(10)))
     assert all(r.outputs[0].finish_reason == "length" for r in results)
@@ -37,7 +38,7 @@ async def test_concurrent_requests_all_finish(engine):
 
 async def test_consumer_gone_aborts_and_frees_blocks(engine):
     sp = SamplingParams(max_tokens=500, ignore_eos=True)
-    stream = engine.generate("abandon me", sp, request_id="gone")
+    stream = engine.generate("abandon me", RequestOptions(sp, request_id="gone"))
     first = await anext(stream)
     assert not first.finished
     await stream.aclose()  # the client went away
@@ -52,13 +53,13 @@ async def test_consumer_gone_aborts_and_frees_blocks(engine):
 
 async def test_bad_input_fails_in_the_callers_thread(engine):
     with pytest.raises(InvalidRequestError):
-        async for _ in engine.generate("x", SamplingParams(max_tokens=10**6)):
+        async for _ in engine.generate("x", RequestOptions(SamplingParams(max_tokens=10**6))):
             pass
 
 
 async def test_last_progress_moves(engine):
     before = engine.last_progress
-    async for _ in engine.generate("tick", SamplingParams(max_tokens=2)):
+    async for _ in engine.generate("tick", RequestOptions(SamplingParams(max_tokens=2))):
         pass
     assert engine.last_progress > before
 
@@ -69,9 +70,9 @@ async def test_dead_loop_fails_waiters_instead_of_hanging(engine):
 
     engine.engine.step = broken_step
     with pytest.raises(EngineDeadError, match="loop bug"):
-        async for _ in engine.generate("x", SamplingParams(max_tokens=5)):
+        async for _ in engine.generate("x", RequestOptions(SamplingParams(max_tokens=5))):
             pass
     assert not engine.is_alive
     with pytest.raises(EngineDeadError):
-        async for _ in engine.generate("y", SamplingParams(max_tokens=5)):
+        async for _ in engine.generate("y", RequestOptions(SamplingParams(max_tokens=5))):
             pass

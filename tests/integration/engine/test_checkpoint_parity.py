@@ -28,6 +28,7 @@ from transformers import (
 )
 
 from poise import LLM, SamplingParams
+from poise.engine.intake import RequestOptions
 from testconfigs import TINY_HF_CONFIG
 
 MAX_NEW = 20
@@ -264,7 +265,7 @@ def test_sliding_window_gives_blocks_back_while_generating(checkpoints, case):
     window = engine.model.config.kv_window
     assert window is not None
     sp = SamplingParams(temperature=0, max_tokens=MAX_NEW, min_tokens=MAX_NEW)
-    request, _ = engine.prepare_request(PROMPTS[3], sp)
+    request, _ = engine.prepare_request(PROMPTS[3], RequestOptions(sp))
     engine.add_request(request)
     held: list[int] = []
     outputs = []

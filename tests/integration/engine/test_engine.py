@@ -6,6 +6,7 @@ from poise import LLM, SamplingParams
 from poise.engine.config import EngineConfig
 from poise.engine.engine import LLMEngine
 from poise.engine.errors import InvalidRequestError, RequestTooLargeError
+from poise.engine.intake import RequestOptions
 
 
 class FakeClock:
@@ -22,7 +23,9 @@ def engine(llama_dir):
 
 
 def add(engine, prompt, **kw):
-    request, text = engine.prepare_request(prompt, SamplingParams(temperature=0, **kw))
+    request, text = engine.prepare_request(
+        prompt, RequestOptions(SamplingParams(temperature=0, **kw))
+    )
     engine.add_request(request, text)
     return request.request_id
 
@@ -76,9 +79,8 @@ def test_failed_step_fails_only_its_requests(engine):
 def test_deadline_finishes_as_timeout(llama_dir):
     clock = FakeClock()
     engine = LLMEngine(llama_dir, EngineConfig(num_kv_blocks=64), clock=clock)
-    request, _ = engine.prepare_request(
-        "slow", SamplingParams(max_tokens=100, ignore_eos=True), deadline=clock.now + 1.0
-    )
+    sp = SamplingParams(max_tokens=100, ignore_eos=True)
+    request, _ = engine.prepare_request("slow", RequestOptions(sp, deadline=clock.now + 1.0))
     engine.add_request(request)
     engine.step()
     clock.now += 2.0
@@ -91,13 +93,13 @@ def test_deadline_finishes_as_timeout(llama_dir):
 def test_bad_input_is_refused_and_changes_nothing(engine):
     limit = engine.max_model_len
     with pytest.raises(InvalidRequestError, match="context"):
-        engine.prepare_request([5] * (limit + 1), SamplingParams())
+        engine.prepare_request([5] * (limit + 1), RequestOptions(SamplingParams()))
     with pytest.raises(InvalidRequestError, match="empty"):
-        engine.prepare_request([], SamplingParams())
+        engine.prepare_request([], RequestOptions(SamplingParams()))
     with pytest.raises(InvalidRequestError, match="token ids"):
-        engine.prepare_request([10**9], SamplingParams())
+        engine.prepare_request([10**9], RequestOptions(SamplingParams()))
     with pytest.raises(RequestTooLargeError, match="whole pool has 64"):
-        engine.prepare_request("hello", SamplingParams(max_tokens=1000))
+        engine.prepare_request("hello", RequestOptions(SamplingParams(max_tokens=1000)))
     assert not engine.has_unfinished
     assert engine.kv.num_free_blocks == engine.kv.num_blocks
 

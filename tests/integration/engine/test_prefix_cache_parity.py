@@ -18,6 +18,7 @@ from hfreference import save_transformers_checkpoint, transformers_greedy
 from poise import SamplingParams
 from poise.engine.config import EngineConfig
 from poise.engine.engine import LLMEngine
+from poise.engine.intake import RequestOptions
 from poise.engine.outputs import RequestOutput
 from poise.engine.request import RequestStatus
 from testconfigs import TINY_HF_CONFIG
@@ -63,9 +64,8 @@ def _add(
     deadline: float | None = None,
 ) -> str:
     sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    request, _ = engine.prepare_request(
-        PROMPTS[name], sp, request_id=rid, priority=priority, deadline=deadline
-    )
+    options = RequestOptions(sp, request_id=rid, priority=priority, deadline=deadline)
+    request, _ = engine.prepare_request(PROMPTS[name], options)
     engine.add_request(request)
     return rid
 
