@@ -111,7 +111,9 @@ def test_slow_replica_trips_the_slow_call_breaker(gateway, pair):
     slow, fast = pair
     g = gateway(
         breaker={
-            "slow_call_s": 0.4,
+            # Slow: over 0.3 s plus 0.1 s a token (the fast replica takes ~20 ms a token).
+            "slow_call_s": 0.3,
+            "slow_token_s": 0.1,
             "slow_call_rate": 0.5,
             "failure_rate": 0.9,
             "min_calls": 3,
@@ -119,7 +121,7 @@ def test_slow_replica_trips_the_slow_call_breaker(gateway, pair):
             "open_s": 30.0,
         },
     )
-    slow.faults(step_delay_s=0.15)  # 4 tokens: ~0.6 s, past the slow-call line
+    slow.faults(step_delay_s=0.25)  # 4 tokens (5 steps): ~1.25 s, past the 0.7 s allowed
     for _ in range(16):
         status, _, _ = post(g, SMALL)
         assert status == 200

@@ -83,7 +83,13 @@ class Gateway:
             settings.rate_limits, self.clock, on_fallback=self.metrics.ratelimit_fallback
         )
         r = settings.retry
-        self.budget = RetryBudget(r.budget_ratio, r.budget_min_concurrent)
+        self.budget = RetryBudget(
+            r.budget_ratio,
+            r.budget_min_concurrent,
+            r.budget_window_s,
+            r.budget_min_per_s,
+            self.clock,
+        )
         self.policy = RetryPolicy(r.max_retries, r.base_s, max(r.cap_s, r.base_s))
         a = settings.autoscale
         self.autoscaling = Autoscaling(

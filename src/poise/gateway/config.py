@@ -23,8 +23,11 @@
         requests_per_minute: 600
         tokens_per_minute: 200000
     timeouts: {connect_s: 2, first_byte_s: 30, stream_idle_s: 30, total_s: 600}
-    retry: {max_retries: 2, base_s: 0.05, cap_s: 2, budget_ratio: 0.2, budget_min_concurrent: 3}
-    breaker: {failure_rate: 0.5, slow_call_rate: 0.8, slow_call_s: 10, min_calls: 10, open_s: 10}
+    retry: {max_retries: 2, base_s: 0.05, cap_s: 2, budget_ratio: 0.2, budget_min_concurrent: 3,
+            budget_window_s: 10, budget_min_per_s: 10}   # retries in flight and over the
+                                                         # window: <= 20 % of requests
+    breaker: {failure_rate: 0.5, slow_call_rate: 0.8, slow_call_s: 10, slow_token_s: 1,
+              min_calls: 10, open_s: 10}   # slow: silent 10 s, or over 10 s + 1 s a token
     ejection: {consecutive_failures: 5, base_s: 30, max_s: 300, max_ejected_share: 0.5}
     slow_ejection: {factor: 3, for_s: 1.5, min_tpot_s: 0.05}   # per-token time vs the others'
     health: {interval_s: 0.5, timeout_s: 1, healthy_after: 2, unhealthy_after: 2}
@@ -105,12 +108,17 @@ class RetrySettings(_Strict):
     cap_s: float = Field(default=2.0, ge=0)
     budget_ratio: float = Field(default=0.2, ge=0, le=1)
     budget_min_concurrent: int = Field(default=3, ge=0)
+    budget_window_s: float = Field(default=10.0, gt=0)  # retries over it <= ratio x requests
+    budget_min_per_s: float = Field(default=10.0, ge=0)  # ... or this many a second, if more
 
 
 class BreakerSettings(_Strict):
     failure_rate: float = Field(default=0.5, gt=0, le=1)
     slow_call_rate: float = Field(default=0.8, gt=0, le=1)
+    # Slow: silent this long (before the first byte, or mid-stream), or longer in all than
+    # slow_call_s plus slow_token_s per output token. Never the length of an answer alone.
     slow_call_s: float = Field(default=30.0, gt=0)
+    slow_token_s: float = Field(default=1.0, gt=0)
     window_size: int = Field(default=50, ge=1)
     window_s: float = Field(default=60.0, gt=0)
     min_calls: int = Field(default=10, ge=1)

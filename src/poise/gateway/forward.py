@@ -1,12 +1,18 @@
 """Sending one client request to a pool: attempts, retries, timeouts, and the stream relay.
 
 An attempt takes a breaker permit and a backend; its outcome feeds the breaker and outlier
-detection. Retries happen only while nothing has been sent to the client: on connect errors,
-timeouts before the first byte, and 429/500/502/503/504 (honouring ``Retry-After``), never to the
-same backend twice in a row when another is eligible, with jittered backoff capped by the
-deadline and by the gateway-wide retry budget. A 4xx other than 429 is the client's and passes
-through as it is. The remaining deadline travels with each attempt as
-``X-Request-Deadline-Ms`` so that the backend drops work nobody will wait for.
+detection. Retries happen only while nothing has been sent to the client, never to the same
+backend twice in a row when another is eligible, and at most ``max_retries`` times:
+- a refusal for load (429) moves the request at once to a backend that has not refused it,
+  outside the retry budget (a refusal costs next to nothing, and each backend is asked once);
+- a failure (connect error, a stream's first byte not within ``first_byte_s``, 500/502/503/504)
+  is retried after jittered backoff (or the backend's ``Retry-After``) capped by the deadline,
+  within the gateway-wide retry budget, whose slot the retry holds until its attempt answers.
+A whole (non-streamed) answer is bounded only by the request's deadline: it is silent until
+complete, and cutting it would have another backend compute it again. A deadline that runs out
+is the request's 504, not the backend's failure. A 4xx other than 429 is the client's and passes
+through as it is. The remaining deadline travels with each attempt as ``X-Request-Deadline-Ms``
+so that the backend drops work nobody will wait for.
 
 A stream is committed once its first chunk has arrived: the client's 200 and headers are sent
 only then, so a backend that fails before producing anything is retried invisibly. What happens
@@ -20,6 +26,7 @@ import json
 import logging
 import math
 import random
+import re
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -31,6 +38,7 @@ from opentelemetry import trace
 from poise.gateway.pool import Backend, Pool
 from poise.observability.tracing import Tracing
 from poise.protocol import DEADLINE_HEADER, APIError
+from poise.resilience.breaker import CallTiming, Permit
 from poise.resilience.latency import StreamTimer
 from poise.resilience.retry import RetryBudget, RetryPolicy
 
@@ -39,6 +47,8 @@ log = logging.getLogger("poise.gateway")
 # 500 too, as Envoy's ``5xx``: generation has no side effects, and nothing was sent yet.
 RETRYABLE_STATUS = frozenset({429, 500, 502, 503, 504})
 FAILURE_STATUS = frozenset({500, 502, 503, 504})  # what counts against a backend's health
+# Usage sits at the end of a completion; a search of the tail is cheaper than parsing it all.
+_COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
 
 
 @dataclass(slots=True)
@@ -50,6 +60,7 @@ class Attempt:
     last_error: str | None = None
     overloaded: bool = False  # the last attempt was refused for load (429)
     cut_off: bool = False  # the last attempt was moved off a backend found dead
+    holds_retry: bool = False  # a retry slot of the budget, until the retried attempt answers
     span: trace.Span | None = None  # the request's span: each attempt is a child of it
 
 
@@ -116,11 +127,30 @@ class Forwarder:
         journey: Attempt,
     ) -> Upstream:
         """The first acceptable upstream response, or an APIError saying why there is none."""
+        try:
+            return await self._send(pool, path, body, headers, deadline, stream, affinity, journey)
+        finally:
+            if journey.holds_retry:
+                journey.holds_retry = False
+                self.budget.retry_ended()
+
+    async def _send(
+        self,
+        pool: Pool,
+        path: str,
+        body: bytes,
+        headers: dict[str, str],
+        deadline: float,
+        stream: bool,
+        affinity: bytes | None,
+        journey: Attempt,
+    ) -> Upstream:
         while True:
             # After a refusal for load, none of those that refused; otherwise not the last one.
             tried = journey.tried if journey.overloaded else journey.tried[-1:]
             backend = pool.pick(affinity, frozenset(tried))
-            if backend is None or not backend.breaker.acquire():
+            permit = backend.breaker.acquire() if backend is not None else None
+            if backend is None or permit is None:
                 why = f" (last error: {journey.last_error})" if journey.last_error else ""
                 raise APIError(
                     503, f"no healthy backend for model {pool.model!r}{why}", code="no_backend"
@@ -128,11 +158,14 @@ class Forwarder:
             journey.tried.append(backend)
             left = deadline - self.clock()
             if left <= 0:
-                backend.breaker.release()
+                backend.breaker.release(permit)
                 raise APIError(504, "the request's deadline passed at the gateway", code="timeout")
             upstream, retry_after = await self._attempt(
-                pool, backend, path, body, headers, left, stream, journey
+                pool, backend, permit, path, body, headers, left, stream, journey
             )
+            if journey.holds_retry:  # the retry has its answer: it is no longer in flight
+                journey.holds_retry = False
+                self.budget.retry_ended()
             if upstream is not None:
                 return upstream
             if journey.cut_off:
@@ -156,21 +189,24 @@ class Forwarder:
             )
             if delay is None:
                 raise _give_up(journey, retry_after)
+            journey.retries += 1
             if journey.overloaded:
-                delay = 0.0  # to another backend, which has not refused: no backoff owed
+                # To another backend, which has not refused: no backoff owed, and no share of
+                # the budget. A refusal costs its backend next to nothing, and a request is
+                # never sent back to one that refused it, so moves cannot become a storm.
+                continue
             if not self.budget.try_retry():
+                journey.retries -= 1
                 self.on_budget_exhausted()
                 raise _give_up(journey, retry_after)
-            journey.retries += 1
-            try:
-                await asyncio.sleep(delay)
-            finally:
-                self.budget.retry_ended()
+            journey.holds_retry = True
+            await asyncio.sleep(delay)
 
     async def _attempt(
         self,
         pool: Pool,
         backend: Backend,
+        permit: Permit,
         path: str,
         body: bytes,
         headers: dict[str, str],
@@ -186,12 +222,14 @@ class Forwarder:
         if backend.settings.api_key:
             sent_headers["authorization"] = f"Bearer {backend.settings.api_key}"
         t = self.timeouts
-        # sock_read bounds the wait for the first byte (and, for a stream, any later silence;
-        # the relay's stream_idle_s is the tighter bound there once the stream is committed).
+        # A stream's first byte is its first token: first_byte_s bounds that silence (and the
+        # relay's stream_idle_s the later ones). A whole answer is silent until it is complete,
+        # however healthy its backend, so only the request's deadline bounds it: cutting it
+        # would throw away work the backend accepted and make another compute it again.
         timeout = aiohttp.ClientTimeout(
             total=None,
             sock_connect=min(t.connect_s, left_s),
-            sock_read=min(t.first_byte_s, left_s),
+            sock_read=min(t.first_byte_s, left_s) if stream else left_s,
         )
         span = None
         if self.tracer is not None and journey.span is not None:
@@ -212,7 +250,7 @@ class Forwarder:
         # A stream's first token and the gaps after it time the backend for routing; a whole
         # answer's duration says more about its length than about the backend.
         timer = pool.latency.stream(backend.url) if stream else None
-        outcome = Outcome(self, pool, backend, started, span, timer)
+        outcome = Outcome(self, pool, backend, permit, started, span, timer)
         response: aiohttp.ClientResponse | None = None
         cut = _CutOff(asyncio.current_task())
         backend.movable[cut] = cut.fire
@@ -231,7 +269,7 @@ class Forwarder:
                         outcome.done("overloaded" if status == 429 else "error")
                         journey.last_error = f"{status} from {backend.url}: {_message(data)}"
                         return None, _retry_after(response)
-                    outcome.done("ok" if status < 500 else "error")
+                    outcome.done("ok" if status < 500 else "error", output_tokens(data))
                     return Upstream(status, _pass_headers(response), data, backend=backend), None
                 chunks = response.content.iter_any()
                 first = await anext(chunks, b"")
@@ -254,6 +292,14 @@ class Forwarder:
         except (aiohttp.ClientError, TimeoutError) as exc:
             if response is not None:
                 response.close()
+            if isinstance(exc, TimeoutError) and self.clock() - started >= left_s - 0.001:
+                # The request's time ran out, not the backend's: no verdict on it, no retry.
+                outcome.done("deadline")
+                raise APIError(
+                    504,
+                    f"the request's deadline passed while {backend.url} computed it",
+                    code="timeout",
+                ) from None
             outcome.done("timeout" if isinstance(exc, TimeoutError) else "connect_error")
             journey.last_error = f"{type(exc).__name__} from {backend.url}: {exc}"
             return None, None
@@ -306,11 +352,13 @@ class Outcome:
         fwd: Forwarder,
         pool: Pool,
         backend: Backend,
+        permit: Permit,
         started: float,
         span: trace.Span | None = None,
         timer: StreamTimer | None = None,
     ) -> None:
         self.fwd, self.pool, self.backend, self.started = fwd, pool, backend, started
+        self.permit = permit  # the breaker's, given back exactly once
         self.span = span  # the attempt's; it lasts as long as the attempt, stream included
         self.timer = timer  # the stream's, fed by the relay
         self.closed = False
@@ -322,21 +370,30 @@ class Outcome:
                 self.span.set_status(trace.StatusCode.ERROR, outcome)
             self.span.end()
 
-    def done(self, outcome: str) -> None:
+    def done(self, outcome: str, tokens: int | None = None) -> None:
+        """``tokens``: the output tokens of a whole (non-streamed) answer, when it says."""
         if self.closed:
             return
         self.closed = True
         self._end_span(outcome)
+        now = self.fwd.clock()
         if self.timer is not None:
+            # A stream: its silences (to the first tokens, between reads) are the backend's.
+            timing = CallTiming(now - self.started, self.timer.silence(now), self.timer.count)
             self.timer.close()
-        self.backend.inflight -= 1
-        # 429 ("overloaded") is a busy backend, not a broken one: it does not count against it.
-        failed = outcome in ("error", "timeout", "connect_error")
-        if outcome == "overloaded":
-            self.backend.breaker.release()
         else:
-            self.backend.breaker.record(not failed, self.fwd.clock() - self.started)
-        self.pool.outliers.record(self.backend.url, not failed)
+            # A whole answer is silent until complete: only its time per token can tell.
+            timing = CallTiming(now - self.started, 0.0, tokens or 0)
+        self.backend.inflight -= 1
+        # 429 ("overloaded") is a busy backend, not a broken one: it does not count against it;
+        # nor does a request whose own deadline ran out while the backend worked on it.
+        failed = outcome in ("error", "timeout", "connect_error")
+        if outcome in ("overloaded", "deadline"):
+            self.backend.breaker.release(self.permit)
+        else:
+            self.backend.breaker.record(self.permit, not failed, timing)
+        if outcome != "deadline":
+            self.pool.outliers.record(self.backend.url, not failed)
         self.fwd.on_outcome(self.backend, outcome)
 
     def abandon(self) -> None:
@@ -347,7 +404,7 @@ class Outcome:
         if self.timer is not None:
             self.timer.close()
         self.backend.inflight -= 1
-        self.backend.breaker.release()
+        self.backend.breaker.release(self.permit)
 
 
 def _give_up(journey: Attempt, retry_after: float | None = None) -> APIError:
@@ -365,6 +422,12 @@ def _give_up(journey: Attempt, retry_after: float | None = None) -> APIError:
         f"upstream failed after {len(journey.tried)} attempt(s): {why}",
         code="upstream_error",
     )
+
+
+def output_tokens(body: bytes) -> int | None:
+    """The completion tokens a whole answer's usage reports, if it does."""
+    match = _COMPLETION_TOKENS.search(body[-400:])
+    return None if match is None else int(match.group(1))
 
 
 def _renamed(body: bytes, model: str) -> bytes:

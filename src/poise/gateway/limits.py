@@ -3,7 +3,8 @@
 With Redis every gateway draws on one budget per key and model. When Redis cannot answer within
 its timeout the gateway does not stop serving: it enforces the same limits locally (each
 gateway then allows the whole limit on its own), says so once in the log and in
-``poise_gateway_ratelimit_redis_up``, and tries Redis again after ``retry_s``.
+``poise_gateway_ratelimit_redis_up``, and tries Redis again after ``retry_s``. A request's
+charges are corrected (refunds of unused tokens) in the store that took them.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
@@ -20,6 +22,14 @@ from poise.gateway.redis_gcra import RedisRateLimiter
 from poise.resilience.ratelimit import Charge, RateDecision, RateLimiter
 
 log = logging.getLogger("poise.gateway")
+
+
+@dataclass(frozen=True, slots=True)
+class Checked:
+    """A decision, and where its charges were taken: corrections go back to the same store."""
+
+    decision: RateDecision
+    shared: bool  # in Redis; else in this gateway's own limiter
 
 
 class GatewayLimits:
@@ -46,7 +56,7 @@ class GatewayLimits:
         self._down_until = 0.0
         self.redis_up = self.shared is not None
 
-    async def check(self, charges: Sequence[Charge]) -> RateDecision:
+    async def check(self, charges: Sequence[Charge]) -> Checked:
         if self.shared is not None and self.clock() >= self._down_until:
             try:
                 decision = await self.shared.check(charges)
@@ -56,17 +66,22 @@ class GatewayLimits:
                 if not self.redis_up:
                     log.warning("rate limits: Redis answers again; limits are shared again")
                     self.redis_up = True
-                return decision
-        return self.local.check(charges)
+                return Checked(decision, shared=True)
+        return Checked(self.local.check(charges), shared=False)
 
-    async def adjust(self, charge: Charge) -> None:
-        if self.shared is not None and self.redis_up:
-            try:
-                await self.shared.adjust(charge)
-                return
-            except (RedisError, OSError) as exc:
-                self._went_down(exc)
-        self.local.adjust(charge)
+    async def adjust(self, charge: Charge, shared: bool) -> None:
+        """Correct a charge in the store that took it (``Checked.shared``), whichever answers
+        now: a charge taken here while Redis was down is corrected here, and one taken in Redis
+        is corrected there or not at all (a lost correction errs on the side of the charge)."""
+        if not shared:
+            self.local.adjust(charge)
+            return
+        if self.shared is None:
+            return
+        try:
+            await self.shared.adjust(charge)
+        except (RedisError, OSError) as exc:
+            self._went_down(exc)
 
     def _went_down(self, exc: Exception) -> None:
         self._down_until = self.clock() + self.settings.redis_retry_s

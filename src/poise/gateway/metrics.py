@@ -61,7 +61,8 @@ class GatewayMetrics:
         )
         self.upstream = Counter(
             "poise_gateway_upstream_attempts",
-            "Attempts on backends, by outcome (ok, error, overloaded, timeout, connect_error).",
+            "Attempts on backends, by outcome (ok, error, overloaded, timeout, connect_error, "
+            "deadline).",
             ["backend", "outcome"],
             registry=r,
         )

@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, Response
 from opentelemetry import trace
 
 from poise.asgi import CancelOnDisconnect, ClientGoneError, EventStreamResponse
-from poise.gateway.forward import Attempt, Upstream
+from poise.gateway.forward import Attempt, Upstream, output_tokens
 from poise.gateway.pool import Backend, affinity_key
 from poise.gateway.request_body import (
     estimate_tokens,
@@ -49,7 +49,6 @@ Proxy = Callable[[Request, str], Awaitable[Response]]
 REQUEST_ID_HEADER = "x-request-id"
 _ids = random.Random()
 # Usage sits at the end of a completion; a search of the tail is cheaper than parsing it all.
-_COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
 _PROMPT_TOKENS = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
 # An APIError's code, as the outcome label of the request counter.
 _OUTCOMES = {
@@ -198,8 +197,10 @@ async def _handle(
     estimate = estimate_tokens(data, text)
     charges = gw.charges(key, model, estimate)
     limit_headers: dict[str, str] = {}
+    charged_shared = False
     if charges:
-        decision = await gw.limits.check(charges)
+        checked = await gw.limits.check(charges)
+        decision, charged_shared = checked.decision, checked.shared
         limit_headers = decision.headers()  # on every answer, as OpenAI sends them
         if not decision.allowed:
             gw.metrics.rate_limited(decision.refused_by or "")
@@ -297,10 +298,10 @@ async def _handle(
         record.outcome = "ok" if upstream.status < 400 else _upstream_outcome(upstream.status)
         if upstream.status == 200:
             tail = upstream.body[-400:]
-            record.output_tokens = _int(_COMPLETION_TOKENS.search(tail))
+            record.output_tokens = output_tokens(upstream.body)
             record.input_tokens = _int(_PROMPT_TOKENS.search(tail))
             if charges:
-                await _reconcile(gw, charges, upstream.body)
+                await _reconcile(gw, charges, charged_shared, upstream.body)
             if cache is not None and ckey is not None and served_by == model:
                 cache.put(ckey, upstream.body, upstream.headers)
         return Response(upstream.body, upstream.status, {**upstream.headers, **extra})
@@ -347,7 +348,7 @@ async def _handle(
                 # The notes counted the tokens generated: charge those, not max_tokens.
                 # (The prompt's share stays estimated: a stream does not say it.)
                 used = estimate - max_output_tokens(data) + len(position.token_ids)
-                await _adjust_tokens(gw, charges, used)
+                await _adjust_tokens(gw, charges, charged_shared, used)
 
     response = EventStreamResponse(events())
     for k, v in extra.items():
@@ -407,16 +408,17 @@ async def _with_fallback(
     raise last
 
 
-async def _reconcile(gw: Gateway, charges: list[Charge], body: bytes) -> None:
+async def _reconcile(gw: Gateway, charges: list[Charge], shared: bool, body: bytes) -> None:
     try:
         used = float(json.loads(body)["usage"]["total_tokens"])
     except (ValueError, KeyError, TypeError):
         return
-    await _adjust_tokens(gw, charges, used)
+    await _adjust_tokens(gw, charges, shared, used)
 
 
-async def _adjust_tokens(gw: Gateway, charges: list[Charge], used: float) -> None:
-    """Give back (or charge) the difference between the estimate taken and the real use."""
+async def _adjust_tokens(gw: Gateway, charges: list[Charge], shared: bool, used: float) -> None:
+    """Give back (or charge) the difference between the estimate taken and the real use, in the
+    store that took the estimate."""
     for c in charges:
         if c.kind == "tokens":
-            await gw.limits.adjust(Charge(c.key, c.limit, used - c.cost, c.kind))
+            await gw.limits.adjust(Charge(c.key, c.limit, used - c.cost, c.kind), shared)

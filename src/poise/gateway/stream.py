@@ -8,8 +8,8 @@ lost, no data for ``stream_idle_s``, an error event from a dying engine, or an e
 ``[DONE]``), the relay asks for the same request on another backend, resumed from exactly that
 position (``poise_resume``): the client sees one uninterrupted stream with the same id, and
 with greedy decoding the same text as a run that never broke. A backend that sends no notes
-(vLLM, TGI, ...) cannot be resumed: its broken stream ends with an explicit error event and
-``[DONE]``. Never a silent truncation, never text twice.
+(vLLM, TGI, ...) cannot be resumed: its broken stream (an end without ``[DONE]`` included)
+ends with an explicit error event and ``[DONE]``. Never a silent truncation, never text twice.
 """
 
 from __future__ import annotations
@@ -113,6 +113,7 @@ async def relay(
                 if not position.noted and not batch.startswith(TOKEN_NOTE_PREFIX):
                     if timer is not None:
                         timer.tokens(batch.count(b"data: {"))  # an event a token, about
+                    done = done or batch.rstrip().endswith(DONE_EVENT.rstrip())
                     yield batch  # not a poise stream: passed on as it came, whole events
                     continue
                 if movable and current.backend is not None and current.response is not None:
@@ -150,7 +151,7 @@ async def relay(
                     yield b"".join(out)
                 if broke is not None:
                     raise StreamBrokeError(broke)
-            if position.noted and not done:
+            if not done:  # an ending the client could take for a complete answer
                 raise StreamBrokeError("the backend's stream ended without [DONE]")
             ok = True
             return

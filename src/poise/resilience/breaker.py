@@ -7,6 +7,15 @@ reaches ``failure_rate`` or the share of calls slower than ``slow_call_s`` reach
 ``half_open_calls`` probe calls are let through; when all have reported, the same two rates
 over just those calls decide CLOSED (window cleared) or OPEN again.
 
+Each permit is a token naming the phase it was taken in. Only calls let through in the current
+phase count: a call that began while the breaker was closed and ends while it is half-open is
+not a probe result and frees no probe's permit.
+
+A call is slow by what a backend controls, never by how long its answer is (``CallTiming``):
+its longest silence (the wait for the first byte, or a gap between streamed events) reaching
+``slow_call_s``, or its whole duration exceeding ``slow_call_s`` plus ``slow_token_s`` for each
+output token. A healthy 2,000-token answer is long, not slow.
+
 As resilience4j's count-based window, with an age limit so that failures from long ago cannot
 trip a breaker on the first error of a quiet day. Pure: the clock is injected.
 """
@@ -30,6 +39,7 @@ class BreakerConfig:
     failure_rate: float = 0.5
     slow_call_rate: float = 0.8
     slow_call_s: float = 10.0
+    slow_token_s: float = 1.0
     window_size: int = 50
     window_s: float = 60.0
     min_calls: int = 10
@@ -41,8 +51,31 @@ class BreakerConfig:
             raise ValueError("breaker rates must be in (0, 1]")
         if self.window_size < 1 or self.min_calls < 1 or self.half_open_calls < 1:
             raise ValueError("breaker window, min_calls and half_open_calls must be >= 1")
-        if self.open_s <= 0 or self.slow_call_s <= 0 or self.window_s <= 0:
+        if min(self.open_s, self.slow_call_s, self.slow_token_s, self.window_s) <= 0:
             raise ValueError("breaker durations must be positive")
+
+
+@dataclass(frozen=True, slots=True)
+class CallTiming:
+    """How one call went, in the terms the slow-call rule reads."""
+
+    duration_s: float  # from the call's start to its end
+    longest_silence_s: float = 0.0  # to the first byte, or between two streamed events
+    output_tokens: int = 0
+
+    def slow(self, config: BreakerConfig) -> bool:
+        allowed = config.slow_call_s + self.output_tokens * config.slow_token_s
+        return self.longest_silence_s >= config.slow_call_s or self.duration_s > allowed
+
+
+class Permit:
+    """The right to one call, taken in one phase of one breaker; hashed by identity."""
+
+    __slots__ = ("phase", "probe")
+
+    def __init__(self, phase: int, probe: bool) -> None:
+        self.phase = phase
+        self.probe = probe
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,7 +98,8 @@ class CircuitBreaker:
         self._state = BreakerState.CLOSED
         self._window: deque[_Call] = deque(maxlen=config.window_size)
         self._opened_at = 0.0
-        self._probes_out = 0
+        self._phase = 0  # moves on with every change of state
+        self._probes_out: set[Permit] = set()
         self._probe_results: list[_Call] = []
         self.times_opened = 0
 
@@ -90,28 +124,32 @@ class CircuitBreaker:
         if state is BreakerState.CLOSED:
             return True
         if state is BreakerState.HALF_OPEN:
-            return self._probes_out + len(self._probe_results) < self.config.half_open_calls
+            return len(self._probes_out) + len(self._probe_results) < self.config.half_open_calls
         return False
 
-    def acquire(self) -> bool:
-        """Take the right to make one call; every True must be followed by exactly one
+    def acquire(self) -> Permit | None:
+        """The right to make one call, or None; every permit must be followed by exactly one
         ``record`` or ``release``."""
         if not self.allows():
-            return False
-        if self._state is BreakerState.HALF_OPEN:
-            self._probes_out += 1
-        return True
+            return None
+        permit = Permit(self._phase, self._state is BreakerState.HALF_OPEN)
+        if permit.probe:
+            self._probes_out.add(permit)
+        return permit
 
-    def release(self) -> None:
+    def release(self, permit: Permit) -> None:
         """The call was abandoned without an outcome (the client left): give its permit back."""
-        if self._state is BreakerState.HALF_OPEN and self._probes_out > 0:
-            self._probes_out -= 1
+        self._probes_out.discard(permit)
 
-    def record(self, ok: bool, duration_s: float) -> None:
-        call = _Call(self.clock(), not ok, duration_s >= self.config.slow_call_s)
+    def record(self, permit: Permit, ok: bool, timing: CallTiming) -> None:
         state = self.state
+        if permit.phase != self._phase:
+            return  # let through in an earlier phase: it says nothing about this one
+        call = _Call(self.clock(), not ok, timing.slow(self.config))
         if state is BreakerState.HALF_OPEN:
-            self._probes_out = max(0, self._probes_out - 1)
+            if permit not in self._probes_out:
+                return
+            self._probes_out.discard(permit)
             self._probe_results.append(call)
             if len(self._probe_results) >= self.config.half_open_calls:
                 if self._tripped(self._probe_results):
@@ -120,8 +158,6 @@ class CircuitBreaker:
                     self._window.clear()
                     self._move(BreakerState.CLOSED)
             return
-        if state is BreakerState.OPEN:
-            return  # a call that began before the breaker opened: it already counted
         self._window.append(call)
         horizon = call.at - self.config.window_s
         while self._window and self._window[0].at < horizon:
@@ -142,7 +178,8 @@ class CircuitBreaker:
 
     def _move(self, to: BreakerState) -> None:
         before, self._state = self._state, to
-        self._probes_out = 0
+        self._phase += 1
+        self._probes_out = set()
         self._probe_results = []
         if self.on_change is not None and before is not to:
             self.on_change(before, to)

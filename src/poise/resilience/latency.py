@@ -172,24 +172,33 @@ class StreamTimer:
     however it ends; a context manager does that.
     """
 
-    __slots__ = ("_tracker", "closed", "last", "started", "url")
+    __slots__ = ("_tracker", "closed", "count", "last", "longest_gap", "started", "url")
 
     def __init__(self, tracker: LatencyTracker, url: str, started: float) -> None:
         self._tracker = tracker
         self.url = url
         self.started = started
         self.last: float | None = None  # when tokens last came; None: none yet
+        self.count = 0  # output tokens so far
+        self.longest_gap = 0.0  # to the first tokens, or between two reads that brought some
         self.closed = False
 
     def tokens(self, n: int = 1) -> None:
         if self.closed or n <= 0:
             return
         now = self._tracker.clock()
+        gap = now - (self.started if self.last is None else self.last)
         if self.last is None:
-            self._tracker.observe_ttft(self.url, now - self.started)
+            self._tracker.observe_ttft(self.url, gap)
         else:
-            self._tracker.observe_tpot(self.url, (now - self.last) / n)
+            self._tracker.observe_tpot(self.url, gap / n)
+        self.longest_gap = max(self.longest_gap, gap)
+        self.count += n
         self.last = now
+
+    def silence(self, now: float) -> float:
+        """The longest wait for tokens, counting the one still going on at ``now``."""
+        return max(self.longest_gap, now - (self.started if self.last is None else self.last))
 
     def close(self) -> None:
         if not self.closed:

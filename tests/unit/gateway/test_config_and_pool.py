@@ -9,6 +9,7 @@ import pytest
 from poise.config import ConfigError
 from poise.gateway.config import GatewaySettings, load_gateway_settings
 from poise.gateway.pool import Pool, affinity_key
+from poise.resilience.breaker import CallTiming
 
 
 def settings(n: int = 3, **extra) -> GatewaySettings:
@@ -48,9 +49,8 @@ def test_ineligible_backends_are_skipped_and_tried_ones_avoided():
     pool = Pool("m", settings(3), Clock(), random.Random(0))
     a, b, c = pool.backends
     a.healthy = False
-    for _ in range(10):
-        b.breaker.acquire()
-        b.breaker.record(False, 0.1)  # opens: 10 failures >= min_calls
+    for _ in range(10):  # opens: 10 failures >= min_calls
+        b.breaker.record(b.breaker.acquire(), False, CallTiming(0.1))
     assert {pool.pick() for _ in range(20)} == {c}
     # Excluding the only eligible one still returns it rather than nothing.
     assert pool.pick(exclude=frozenset({c})) is c
@@ -68,8 +68,7 @@ def test_ineligible_backends_are_skipped_and_tried_ones_avoided():
     # Breakers open everywhere: nothing may be called.
     for backend in (a, c):
         for _ in range(10):
-            backend.breaker.acquire()
-            backend.breaker.record(False, 0.1)
+            backend.breaker.record(backend.breaker.acquire(), False, CallTiming(0.1))
     assert pool.pick() is None
 
 

@@ -8,6 +8,7 @@ import asyncio
 import random
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import aiohttp
 import pytest
@@ -16,7 +17,9 @@ from aiohttp import web
 from poise.gateway.config import GatewaySettings
 from poise.gateway.forward import Attempt, Forwarder, Timeouts
 from poise.gateway.pool import Pool
+from poise.gateway.stream import relay
 from poise.protocol import APIError
+from poise.resilience.breaker import BreakerState
 from poise.resilience.retry import RetryBudget, RetryPolicy
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -60,21 +63,23 @@ async def backends() -> AsyncIterator[Callable[..., Awaitable[tuple[Pool, Forwar
     runners: list[web.AppRunner] = []
     sessions: list[aiohttp.ClientSession] = []
 
-    async def make(*handlers: Handler) -> tuple[Pool, Forwarder]:
+    async def make(
+        *handlers: Handler, first_byte_s: float = 60.0, **gateway: Any
+    ) -> tuple[Pool, Forwarder]:
         urls = []
         for h in handlers:
             runner, url = await serve(h)
             runners.append(runner)
             urls.append(url)
         settings = GatewaySettings.model_validate(
-            {"models": {"m": {"backends": [{"url": u} for u in urls]}}}
+            {"models": {"m": {"backends": [{"url": u} for u in urls]}}, **gateway}
         )
         pool = Pool("m", settings, time.monotonic, random.Random(0))
         session = aiohttp.ClientSession()
         sessions.append(session)
         # Backoff that would show: a retry that slept would take 0.5 s or more.
         policy = RetryPolicy(max_retries=2, base_s=0.5, cap_s=1.0)
-        fwd = Forwarder(session, policy, RetryBudget(), Timeouts(2.0, 60.0))
+        fwd = Forwarder(session, policy, RetryBudget(), Timeouts(2.0, first_byte_s))
         return pool, fwd
 
     yield make
@@ -84,14 +89,14 @@ async def backends() -> AsyncIterator[Callable[..., Awaitable[tuple[Pool, Forwar
         await r.cleanup()
 
 
-async def send(pool: Pool, fwd: Forwarder, journey: Attempt | None = None):
+async def send(pool: Pool, fwd: Forwarder, journey: Attempt | None = None, stream: bool = False):
     return await fwd.send(
         pool,
         "/v1/completions",
         b'{"model": "m", "prompt": "x"}',
         {"content-type": "application/json"},
         time.monotonic() + 30,
-        False,
+        stream,
         None,
         journey or Attempt(),
     )
@@ -186,3 +191,119 @@ async def test_a_refusal_for_load_is_never_sent_back_to_a_backend_that_refused(b
         up = await send(pool, fwd)
         assert up.status == 200 and calls[-1] == "c"
         assert len(calls) == len(set(calls))  # each backend asked at most once
+
+
+def counted(calls: list[str], name: str, handler: Handler) -> Handler:
+    async def h(request: web.Request) -> web.StreamResponse:
+        calls.append(name)
+        return await handler(request)
+
+    return h
+
+
+async def test_a_whole_answer_longer_than_first_byte_s_is_neither_cut_nor_sent_twice(backends):
+    """A non-streamed answer is silent until complete: first_byte_s does not bound it."""
+    calls: list[str] = []
+
+    async def long_answer(request: web.Request) -> web.Response:
+        await asyncio.sleep(0.6)  # computing a long completion
+        return web.json_response({"choices": [{"text": "x" * 100}], "usage": {
+            "prompt_tokens": 1, "completion_tokens": 100, "total_tokens": 101}})  # fmt: skip
+
+    pool, fwd = await backends(
+        counted(calls, "a", long_answer), counted(calls, "b", long_answer), first_byte_s=0.2
+    )
+    up = await send(pool, fwd)
+    assert up.status == 200 and len(calls) == 1  # computed once, by one backend
+    assert all(b.breaker.allows() and b.inflight == 0 for b in pool.backends)
+
+
+async def test_long_generations_do_not_open_the_breaker_but_silent_backends_do(backends):
+    """Every call is several times slow_call_s long; only the silent ones are slow calls."""
+
+    async def long_stream(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await resp.prepare(request)
+        for _ in range(15):  # 15 tokens 20 ms apart: 0.3 s, never silent for 0.2 s
+            await resp.write(b'data: {"choices": [{"text": "t"}]}\n\n')
+            await asyncio.sleep(0.02)
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    async def whole(request: web.Request) -> web.Response:
+        await asyncio.sleep(0.3)  # 100 tokens in 0.3 s
+        return web.json_response({"usage": {"completion_tokens": 100}})
+
+    breaker = {"slow_call_s": 0.2, "slow_token_s": 0.05, "slow_call_rate": 0.5, "min_calls": 3}
+    pool, fwd = await backends(long_stream, breaker=breaker)
+    (b,) = pool.backends
+    for _ in range(3):
+        up = await send(pool, fwd, stream=True)
+        async for _chunk in relay(up, 5.0):
+            pass
+    pool2, fwd2 = await backends(whole, breaker=breaker)
+    for _ in range(3):
+        assert (await send(pool2, fwd2)).status == 200
+    assert b.breaker.state is BreakerState.CLOSED
+    assert pool2.backends[0].breaker.state is BreakerState.CLOSED
+
+    async def silent_first(request: web.Request) -> web.StreamResponse:
+        await asyncio.sleep(0.3)  # longer than slow_call_s before the first byte
+        return await long_stream(request)
+
+    pool3, fwd3 = await backends(silent_first, breaker=breaker)
+    for _ in range(3):
+        up = await send(pool3, fwd3, stream=True)
+        async for _chunk in relay(up, 5.0):
+            pass
+    assert pool3.backends[0].breaker.state is BreakerState.OPEN
+
+
+async def test_the_retry_budget_bounds_the_calls_on_backends_that_fail_everything(backends):
+    """Backend calls <= (1 + ratio) x requests, however many requests fail at once."""
+    calls: list[str] = []
+
+    async def fail(request: web.Request) -> web.Response:
+        await asyncio.sleep(0.005)
+        return web.json_response({"error": {"message": "boom"}}, status=500)
+
+    # Neither the breaker nor outlier detection takes them out: only the budget bounds calls.
+    pool, fwd = await backends(
+        counted(calls, "a", fail),
+        counted(calls, "b", fail),
+        breaker={"min_calls": 1000, "window_size": 1000},
+        ejection={"consecutive_failures": 1000},
+    )
+    fwd.policy = RetryPolicy(max_retries=2, base_s=0.0, cap_s=0.0)
+    fwd.budget = RetryBudget()  # the gateway's defaults: 20 %, floors of 3 and 10 a second
+
+    async def request() -> int:
+        fwd.budget.request_started()
+        try:
+            await send(pool, fwd)
+        except APIError as exc:
+            return exc.status
+        finally:
+            fwd.budget.request_ended()
+        return 200
+
+    statuses: list[int] = []
+    for _ in range(10):  # waves of 100 concurrent requests
+        statuses += await asyncio.gather(*(request() for _ in range(100)))
+    assert statuses == [502] * 1000
+    assert len(calls) <= 1.2 * 1000, len(calls)  # without the budget: 3,000
+    assert fwd.budget.active_retries == 0
+
+
+async def test_a_stream_from_another_engine_that_ends_without_done_ends_with_an_error(backends):
+    async def cut_short(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b'data: {"choices": [{"text": "half an"}]}\n\n')
+        return resp  # the connection ends cleanly, without [DONE]
+
+    pool, fwd = await backends(cut_short)
+    up = await send(pool, fwd, stream=True)
+    out = b"".join([c async for c in relay(up, 5.0)])
+    assert out.startswith(b'data: {"choices": [{"text": "half an"}]}')
+    assert b'"error"' in out and out.endswith(b"data: [DONE]\n\n")

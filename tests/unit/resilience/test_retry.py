@@ -25,16 +25,34 @@ def test_retry_after_is_respected_and_the_deadline_caps():
 
 
 def test_the_budget_caps_retries_at_a_share_of_active_requests():
-    b = RetryBudget(ratio=0.2, min_concurrent=3)
+    b = RetryBudget(ratio=0.2, min_concurrent=3, min_per_s=0.3)
     for _ in range(50):
         b.request_started()
     granted = sum(b.try_retry() for _ in range(50))
     assert granted == 10 and b.refused_total == 40
     b.retry_ended()
-    assert b.try_retry()
+    assert not b.try_retry()  # room in flight, but the window's share is spent
 
 
 def test_a_quiet_gateway_may_still_retry():
     b = RetryBudget(ratio=0.2, min_concurrent=3)
     b.request_started()
     assert [b.try_retry() for _ in range(4)] == [True, True, True, False]
+
+
+def test_over_the_window_retries_stay_a_share_of_requests(clock):
+    """In flight never more than the floor, yet one after another they would be unbounded:
+    the window caps them at ratio x the requests it saw."""
+    b = RetryBudget(ratio=0.2, min_concurrent=3, window_s=10.0, min_per_s=0.3, clock=clock)
+    granted = 0
+    for _ in range(100):  # one request at a time, each failing and wanting a retry
+        b.request_started()
+        if b.try_retry():
+            granted += 1
+            b.retry_ended()
+        b.request_ended()
+        clock.advance(0.05)
+    assert granted == 20  # 0.2 x 100 requests, all within the window
+    clock.advance(10.0)  # the window has passed: a quiet gateway may retry again
+    b.request_started()
+    assert b.try_retry()
