@@ -1,6 +1,7 @@
-"""ASGI pieces the framework does not give us: a body-size guard, API-key auth, an SSE response
-that aborts its work the moment the client leaves, and a way to cancel a handler's work when the
-client disconnects.
+"""ASGI pieces the framework does not give us: a body guard (size, type, time to arrive), API-key
+auth, a last handler that answers an unexpected error without dropping the connection, an SSE
+response that aborts its work the moment the client leaves, and a way to cancel a handler's work
+when the client disconnects.
 
 Starlette's ``StreamingResponse`` notices a disconnect only when a write fails, which for a
 request still queued behind others can be minutes; the engine would keep its blocks that long.
@@ -13,6 +14,7 @@ import asyncio
 import contextlib
 import hmac
 import json
+import logging
 import time
 from collections.abc import AsyncIterator, Sequence
 
@@ -27,18 +29,23 @@ class ClientGoneError(Exception):
     """The client disconnected before the response was ready."""
 
 
-async def _error(send: Send, status: int, message: str, code: str | None = None) -> None:
-    body = json.dumps(error_body(status, message, code=code)).encode()
-    await send(
-        {
-            "type": "http.response.start",
-            "status": status,
-            "headers": [
-                (b"content-type", b"application/json"),
-                (b"content-length", str(len(body)).encode()),
-            ],
-        }
-    )
+async def _error(
+    send: Send,
+    status: int,
+    message: str,
+    code: str | None = None,
+    param: str | None = None,
+    close: bool = False,
+) -> None:
+    """An error answer in OpenAI's shape; ``close``: and the connection closes after it."""
+    body = json.dumps(error_body(status, message, param, code)).encode()
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+    ]
+    if close:
+        headers.append((b"connection", b"close"))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
 
 
@@ -113,14 +120,39 @@ RECEIVED_AT = "poise.received_at"  # scope key: when the request reached the app
 PROTECTED_PREFIXES = ("/v1/", "/debug/")  # what an API key guards when keys are set
 
 
-class GuardMiddleware:
-    """Refuses bodies over the limit with 413 and, when keys are set, calls to the API
-    (``/v1/``) or to the live state (``/debug/``) without one."""
+def is_json_type(content_type: bytes) -> bool:
+    """``application/json`` or ``application/*+json``, in UTF-8 if a charset is named."""
+    media, *params = content_type.lower().split(b";")
+    media = media.strip()
+    if media != b"application/json" and not (
+        media.startswith(b"application/") and media.endswith(b"+json")
+    ):
+        return False
+    for param in params:
+        name, _, value = param.strip().partition(b"=")
+        if name == b"charset" and value.strip(b'" ') not in (b"utf-8", b"utf8"):
+            return False
+    return True
 
-    def __init__(self, app: ASGIApp, max_body_bytes: int, api_keys: Sequence[str]) -> None:
+
+class GuardMiddleware:
+    """What every request with a body passes before anything parses it: when keys are set, a
+    key for the API (``/v1/``) or the live state (``/debug/``) (else 401); a JSON content type
+    or none (else 415); at most ``max_body_bytes`` (else 413), all of it within
+    ``body_timeout_s`` of the headers (else 408, and the connection closes: a client that sends
+    headers and stalls holds nothing longer than that)."""
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        max_body_bytes: int,
+        api_keys: Sequence[str],
+        body_timeout_s: float = 30.0,
+    ) -> None:
         self.app = app
         self.max_body_bytes = max_body_bytes
         self.api_keys = [k.encode() for k in api_keys]
+        self.body_timeout_s = body_timeout_s
 
     def _authorized(self, scope: Scope) -> bool:
         if not self.api_keys or not scope["path"].startswith(PROTECTED_PREFIXES):
@@ -154,23 +186,48 @@ class GuardMiddleware:
                     send, 413, f"the request body is larger than {limit} bytes", "body_too_large"
                 )
                 return
-        # Read the body up front, bounded, so no handler ever sees an oversized one.
-        chunks: list[bytes] = []
-        size = 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > limit:
+            if name == b"content-type" and not is_json_type(value):
+                shown = value.decode("latin-1")[:100]
                 await _error(
-                    send, 413, f"the request body is larger than {limit} bytes", "body_too_large"
+                    send,
+                    415,
+                    f"the request body must be JSON (Content-Type: application/json), not {shown}",
+                    "unsupported_media_type",
+                    param="Content-Type",
                 )
                 return
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                break
+        # Read the body up front, bounded in size and time, so no handler ever sees an
+        # oversized one or waits on a client that stopped sending.
+        chunks: list[bytes] = []
+        size = 0
+        try:
+            async with asyncio.timeout(self.body_timeout_s):
+                while True:
+                    message = await receive()
+                    if message["type"] == "http.disconnect":
+                        return
+                    chunk = message.get("body", b"")
+                    size += len(chunk)
+                    if size > limit:
+                        await _error(
+                            send,
+                            413,
+                            f"the request body is larger than {limit} bytes",
+                            "body_too_large",
+                        )
+                        return
+                    chunks.append(chunk)
+                    if not message.get("more_body", False):
+                        break
+        except TimeoutError:
+            await _error(
+                send,
+                408,
+                f"the request body did not arrive within {self.body_timeout_s:g} s",
+                "body_timeout",
+                close=True,
+            )
+            return
         replayed = False
 
         async def replay() -> Message:
@@ -181,6 +238,40 @@ class GuardMiddleware:
             return await receive()
 
         await self.app(scope, replay, send)
+
+
+class ErrorShield:
+    """The last word on an exception that no handler took: logged, and answered with a 500 in
+    OpenAI's shape on a connection that stays usable.
+
+    Starlette's last handler re-raises once it has answered, and uvicorn then drops the
+    connection: a keep-alive client (the gateway's pool) found its next request reset. Once
+    the answer has begun there is no status left to send: then the exception goes on, and the
+    dropped connection is what tells the client its answer is broken.
+    """
+
+    def __init__(self, app: ASGIApp, log: logging.Logger) -> None:
+        self.app = app
+        self.log = log
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def watched(message: Message) -> None:
+            nonlocal started
+            started = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watched)
+        except Exception as exc:
+            if started:
+                raise
+            self.log.exception("unhandled error on %s", scope.get("path"))
+            await _error(send, 500, f"internal error: {type(exc).__name__}")
 
 
 def uvicorn_config(app: ASGIApp, host: str, port: int, log_level: str) -> uvicorn.Config:

@@ -78,6 +78,8 @@ class ServerSettings(BaseModel):
     drain_timeout_s: float = Field(default=30.0, ge=0)
     exit_on_engine_death: bool = True
     max_body_bytes: int = Field(default=4 << 20, ge=1024)
+    # A client that sends headers and then stalls is answered 408 this long after them.
+    body_timeout_s: float = Field(default=30.0, gt=0)
     enable_fault_injection: bool = False
     log_level: str = "info"
     log_format: Literal["auto", "json", "console"] = "auto"  # auto: console on a terminal

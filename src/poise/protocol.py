@@ -2,8 +2,11 @@
 
 Shared by the replica server and the gateway, so both speak exactly the same dialect. Field names
 and defaults follow OpenAI's API reference; the extra sampling fields vLLM users send (``top_k``,
-``ignore_eos``, ``priority``, ``min_tokens``, ``stop_token_ids``) are accepted too. Unknown fields
-are ignored, as OpenAI's own server and vLLM do, so newer clients keep working.
+``ignore_eos``, ``priority``, ``min_tokens``, ``stop_token_ids``) are accepted too. A field poise
+accepts is honoured; any other top-level field is refused (400 naming it, in OpenAI's words), as
+OpenAI refuses it, rather than ignored as vLLM does: a client that sets ``logit_bias`` or
+``response_format`` must learn that it had no effect. Messages may carry fields of their own
+(``refusal``, ``annotations`` of an answer sent back): the chat template reads what it knows.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 # ----- errors -----
 
@@ -20,7 +23,9 @@ ERROR_TYPES: dict[int, str] = {
     400: "invalid_request_error",
     401: "authentication_error",
     404: "not_found_error",
+    408: "invalid_request_error",
     413: "invalid_request_error",
+    415: "invalid_request_error",
     429: "rate_limit_error",
     500: "internal_error",
     503: "service_unavailable",
@@ -106,6 +111,25 @@ def deadline_budget_s(header_ms: str | None) -> float | None:
 
 # ----- requests -----
 
+# Every stop string is looked for after every token, and the text held back while it may be the
+# start of one is found by trying each prefix: both bounded, the count as OpenAI bounds it.
+MAX_STOP_SEQUENCES = 4
+MAX_STOP_CHARS = 256
+# Each sampled token is looked up among these (a list, not a set, in the engine).
+MAX_STOP_TOKEN_IDS = 256
+
+
+def stop_problem(stop: object) -> str | None:
+    """Why ``stop`` is out of bounds, or None. Types are not this function's business: a value
+    that is neither a string nor a list passes here and fails validation."""
+    sequences = [stop] if isinstance(stop, str) else stop if isinstance(stop, list) else []
+    if len(sequences) > MAX_STOP_SEQUENCES:
+        return f"at most {MAX_STOP_SEQUENCES} stop sequences are allowed, got {len(sequences)}"
+    longest = max((len(s) for s in sequences if isinstance(s, str)), default=0)
+    if longest > MAX_STOP_CHARS:
+        return f"a stop sequence may be at most {MAX_STOP_CHARS} characters, got {longest}"
+    return None
+
 
 class ResumeState(BaseModel):
     """Where a broken stream stood, as the gateway saw it in ``STREAM_TOKENS_HEADER`` notes."""
@@ -118,7 +142,7 @@ class ResumeState(BaseModel):
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
@@ -138,15 +162,24 @@ class _Request(BaseModel):
     top_k: int | None = Field(default=None, ge=-1)
     min_tokens: int = Field(default=0, ge=0)
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
     include_stop_str_in_output: bool = False
     priority: int | None = Field(default=None, ge=-(2**31), le=2**31 - 1)
     # poise's own: continue a stream another replica began (the gateway's mid-stream failover)
     poise_resume: ResumeState | None = None
 
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _bounded_stop(cls, value: object) -> object:
+        # Before the type check: 10,000 stop strings are refused for their number, unread.
+        problem = stop_problem(value)
+        if problem is not None:
+            raise ValueError(problem)
+        return value
+
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
 
 

@@ -20,9 +20,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from opentelemetry.sdk.trace import TracerProvider
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from poise.asgi import GuardMiddleware
+from poise.asgi import ErrorShield, GuardMiddleware
 from poise.gateway import admin
 from poise.gateway.admission import PoolGate
 from poise.gateway.autoscaling import Autoscaling
@@ -265,6 +266,12 @@ def create_gateway_app(
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
         return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        # An unknown path or method: in OpenAI's shape too, not FastAPI's {"detail": ...}.
+        err = APIError(exc.status_code, str(exc.detail))
+        return JSONResponse(err.body(), status_code=err.status, headers=exc.headers)
+
     @app.get("/v1/models")
     async def models() -> JSONResponse:
         now = int(time.time())
@@ -325,10 +332,13 @@ def create_gateway_app(
     async def version() -> JSONResponse:
         return JSONResponse({"version": __version__, "role": "gateway"})
 
-    front = GuardMiddleware(
-        ProxiedRoutes(app, make_proxy(gw)), max_body_bytes=settings.max_body_bytes, api_keys=[]
+    guarded = GuardMiddleware(
+        ProxiedRoutes(app, make_proxy(gw)),
+        max_body_bytes=settings.max_body_bytes,
+        api_keys=[],
+        body_timeout_s=settings.body_timeout_s,
     )
-    return front
+    return ErrorShield(guarded, log)
 
 
 async def _json(request: Request) -> object:
@@ -355,8 +365,13 @@ class ProxiedRoutes:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path")
-        if scope["type"] != "http" or scope["method"] != "POST" or path not in PROXIED_PATHS:
+        if scope["type"] != "http" or path not in PROXIED_PATHS:
             await self.app(scope, receive, send)
+            return
+        if scope["method"] != "POST":  # FastAPI would say 404: it has no route for these paths
+            err = APIError(405, "Method Not Allowed", headers={"Allow": "POST"})
+            response = JSONResponse(err.body(), status_code=405, headers=err.headers)
+            await response(scope, receive, send)
             return
         try:
             response = await self.handler(Request(scope, receive), path)

@@ -214,6 +214,8 @@ class GatewaySettings(_Strict):
     rate_limits: RateLimitSettings = RateLimitSettings()
     autoscale: AutoscaleSettings = AutoscaleSettings()
     max_body_bytes: int = Field(default=4 << 20, ge=1024)
+    # A client that sends headers and then stalls is answered 408 this long after them.
+    body_timeout_s: float = Field(default=30.0, gt=0)
     log_level: str = "info"
     log_format: Literal["auto", "json", "console"] = "auto"  # auto: console on a terminal
     log_levels: dict[str, str] = Field(default_factory=dict)  # by logger name

@@ -2,7 +2,9 @@
 
 The bytes are forwarded as they came; these helpers look at the parsed JSON only for the model,
 whether it streams and can be resumed, the prompt's text (for affinity and the token estimate)
-and the most it may generate.
+and the most it may generate. What no backend should be sent is refused here, with the replica's
+own words: a body ``protocol_body`` cannot read (not UTF-8, a lone surrogate, ``NaN``, too deep)
+and stop sequences past OpenAI's bounds. Other fields are the backend's to judge.
 """
 
 from __future__ import annotations
@@ -10,14 +12,12 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from poise.protocol import APIError
+from poise.protocol import APIError, stop_problem
+from poise.protocol_body import read_json_body
 
 
 def parse_body(body: bytes) -> dict[str, Any]:
-    try:
-        data = json.loads(body)
-    except ValueError:
-        raise APIError(400, "the body is not valid JSON") from None
+    data = read_json_body(body)
     if not isinstance(data, dict):
         raise APIError(400, "the body must be a JSON object")
     if not isinstance(data.get("model"), str):
@@ -28,6 +28,9 @@ def parse_body(body: bytes) -> dict[str, Any]:
         raise APIError(
             400, "poise_resume is set by the gateway only, not by clients", param="poise_resume"
         )
+    problem = stop_problem(data.get("stop"))
+    if problem is not None:
+        raise APIError(400, f"stop: {problem}", param="stop")
     return data
 
 

@@ -2,7 +2,10 @@
 
 The model loads in a thread after the server starts listening, so ``/health`` answers (alive) and
 ``/ready`` says ``loading`` meanwhile, as a Kubernetes probe expects. Every error leaves in
-OpenAI's shape; FastAPI's 422 for validation errors becomes 400, as OpenAI and vLLM answer.
+OpenAI's shape; FastAPI's 422 for validation errors becomes 400, as OpenAI and vLLM answer, and a
+field poise does not know is refused in OpenAI's words. Bodies are read by ``protocol_body``'s
+rules (``StrictJsonRoute``); an exception no handler takes is a 500 that keeps the connection
+(``ErrorShield``).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from poise.asgi import (
     RECEIVED_AT,
     CancelOnDisconnect,
     ClientGoneError,
+    ErrorShield,
     EventStreamResponse,
     GuardMiddleware,
 )
@@ -43,6 +47,7 @@ from poise.protocol import (
     ModelList,
 )
 from poise.server.access import RequestReport
+from poise.server.json_route import StrictJsonRoute
 from poise.server.openai_api import Planned, create_chat_completion, create_completion
 from poise.server.replica import Phase, Replica
 
@@ -121,6 +126,24 @@ class ServerState:
         return self.replica
 
 
+def _param(error: Any, body: Any) -> str | None:
+    """The dotted path to the value a validation error is about, as the client wrote it: the
+    union members pydantic names on the way (``prompt.list[int]``) are left out, and a name is
+    cut short (an unknown field may be a megabyte long)."""
+    loc = [p for p in error.get("loc", ()) if p != "body"]
+    path: list[str] = []
+    value = body
+    for i, part in enumerate(loc):
+        in_dict = isinstance(value, dict) and part in value
+        in_list = isinstance(value, list) and isinstance(part, int) and 0 <= part < len(value)
+        if in_dict or in_list:
+            value = value[part]
+        elif not (i == len(loc) - 1 and error.get("type") == "missing"):
+            continue  # a union member's name, not a step into the input
+        path.append(str(part)[:100])
+    return ".".join(path) or None
+
+
 def _error_response(exc: APIError) -> JSONResponse:
     return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
@@ -171,11 +194,19 @@ def create_app(
             await state.replica.engine.aclose()
         tracing.shutdown()  # sends the spans still batched
 
-    app = FastAPI(title="poise replica", version=__version__, lifespan=lifespan)
+    # The content type is GuardMiddleware's to check: JSON, or none (read as JSON).
+    app = FastAPI(
+        title="poise replica", version=__version__, lifespan=lifespan, strict_content_type=False
+    )
+    app.router.route_class = StrictJsonRoute
     app.state.poise = state
     app.add_middleware(
-        GuardMiddleware, max_body_bytes=settings.max_body_bytes, api_keys=settings.api_keys
+        GuardMiddleware,
+        max_body_bytes=settings.max_body_bytes,
+        api_keys=settings.api_keys,
+        body_timeout_s=settings.body_timeout_s,
     )
+    app.add_middleware(ErrorShield, log=log)  # added last: the outermost of the two
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -199,20 +230,22 @@ def create_app(
         first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
         if first.get("type") == "json_invalid":
             return _error_response(APIError(400, "the request body is not valid JSON"))
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-        message = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid')}"
-        if len(errors) > 1:
-            message += f" (and {len(errors) - 1} more problems)"
-        return _error_response(APIError(400, message, param=".".join(loc) or None))
+        params = [_param(e, exc.body) for e in errors] or [None]
+        param = params[0]
+        if first.get("type") == "extra_forbidden":
+            message = f"Unrecognized request argument supplied: {param}"  # OpenAI's words
+        else:
+            # A validator's own ValueError comes back prefixed "Value error, ": its text suffices.
+            reason = str(first.get("msg", "invalid")).removeprefix("Value error, ")
+            message = f"{param or 'body'}: {reason}"
+        others = len(set(params) - {param})
+        if others:
+            message += f" (and problems with {others} more field(s))"
+        return _error_response(APIError(400, message, param=param))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         return _error_response(APIError(exc.status_code, str(exc.detail)))
-
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error on %s", request.url.path)
-        return _error_response(APIError(500, f"internal error: {type(exc).__name__}"))
 
     async def respond(
         request: Request,

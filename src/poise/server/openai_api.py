@@ -366,6 +366,20 @@ def _prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str 
     raise APIError(400, "prompt must be a string, strings, token ids or lists of them", "prompt")
 
 
+def _check_choices(replica: Replica, prompts: int, n: int) -> None:
+    """A request's choices are admitted together, so more of them than may wait at once could
+    never be: refused (400: no retry helps) before each is tokenized and set up, which for a
+    body of thousands of prompts held the event loop for seconds only to answer 429."""
+    most = replica.settings.max_waiting_requests
+    if prompts * n > most:
+        raise APIError(
+            400,
+            f"the request asks for {prompts * n} choices ({prompts} prompt(s), n={n}); "
+            f"this server takes at most {most} in one request",
+            param="prompt" if n == 1 else "n",
+        )
+
+
 def _resume(body: CompletionRequest | ChatCompletionRequest, choices: int) -> Resume | None:
     state = body.poise_resume
     if state is None:
@@ -416,6 +430,7 @@ def create_completion(
     if body.echo and (body.stream or body.logprobs is not None):
         raise APIError(400, "echo works only without stream and logprobs", param="echo")
     prompts = _prompts(body.prompt)
+    _check_choices(replica, len(prompts), body.n)
     expanded = [p for p in prompts for _ in range(body.n)]
     defaults = replica.engine.sampling_defaults
     samplings = [
@@ -438,6 +453,7 @@ def create_chat_completion(
     replica: Replica, body: ChatCompletionRequest, headers: Mapping[str, str]
 ) -> Planned:
     model = _check_model(replica, body.model)
+    _check_choices(replica, 1, body.n)
     if body.add_generation_prompt and body.continue_final_message:
         raise APIError(
             400,
