@@ -63,6 +63,10 @@ class ServerProcess:
         r = httpx.post(self.url + "/admin/faults", json=settings, timeout=5)
         r.raise_for_status()
 
+    def clear_faults(self) -> None:
+        r = httpx.delete(self.url + "/admin/faults", timeout=5)
+        r.raise_for_status()
+
     def terminate(self) -> None:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)

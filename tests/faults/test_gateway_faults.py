@@ -17,19 +17,14 @@ import pytest
 
 from gatewayproc import GatewayProcess, gateways_before
 from redisproc import RedisServer
-from serverproc import start_servers
 
 FAST_HEALTH = {"interval_s": 0.3, "timeout_s": 0.5, "healthy_after": 1, "unhealthy_after": 1}
 SMALL = {"model": "m", "prompt": "hello there", "max_tokens": 4, "temperature": 0}
 
 
-@pytest.fixture(scope="module")
-def pair(llama_dir, tmp_path_factory):
-    log_dir = tmp_path_factory.mktemp("gateway-faults")
-    procs = start_servers(2, llama_dir, log_dir, "--enable-fault-injection")
-    yield procs
-    for p in procs:
-        p.stop()
+@pytest.fixture
+def pair(healthy_pair):
+    return healthy_pair
 
 
 @pytest.fixture

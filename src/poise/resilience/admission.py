@@ -8,7 +8,9 @@ requests have been starting.
 
 The service-rate estimate is the mean interval between the last ``rate_window`` pairs of
 consecutive starts, counted only while someone was waiting throughout (idle time says nothing
-about capacity, and neither does the first start after it: that is latency, not spacing).
+about capacity, and neither does the first start after it: that is latency, not spacing), and
+no older than ``rate_max_age_s``: intervals from a slow spell long past (a fault, another
+load) would otherwise refuse today's work, and refusals make no new samples to correct them.
 Starts come in bursts (one engine step may start several requests, then none for a while), so a
 short-memory average swings low right after a burst; admission acts on those lows, which biases
 it towards taking too much. A plain mean over a few dozen intervals is steadier than an
@@ -40,12 +42,13 @@ class AdmissionConfig:
     max_waiting_tokens: int = 1 << 20  # prompt tokens admitted but not yet started
     max_queue_wait_s: float | None = None  # refuse what is predicted to wait longer (TTFT SLO)
     rate_window: int = 32  # start intervals averaged for the service rate
+    rate_max_age_s: float = 30.0  # ... none older than this
 
     def __post_init__(self) -> None:
         if self.max_waiting_requests < 1 or self.max_waiting_tokens < 1:
             raise ValueError("admission bounds must be at least 1")
-        if self.rate_window < 1:
-            raise ValueError("rate_window must be at least 1")
+        if self.rate_window < 1 or self.rate_max_age_s <= 0:
+            raise ValueError("rate_window must be at least 1 and rate_max_age_s positive")
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,7 +86,7 @@ class AdmissionController:
         self.slot_wait = slot_wait
         self.waiting: dict[str, Ticket] = {}
         self.waiting_tokens = 0
-        self._intervals: deque[float] = deque(maxlen=config.rate_window)
+        self._intervals: deque[tuple[float, float]] = deque(maxlen=config.rate_window)  # (at, s)
         self._last_start: float | None = None
         self._queue_busy_since_last_start = False
 
@@ -158,7 +161,7 @@ class AdmissionController:
             return
         now = self.clock()
         if self._last_start is not None and self._queue_busy_since_last_start:
-            self._intervals.append(max(0.0, now - self._last_start))
+            self._intervals.append((now, max(0.0, now - self._last_start)))
         self._last_start = now
         self._queue_busy_since_last_start = bool(self.waiting)
 
@@ -168,9 +171,12 @@ class AdmissionController:
 
     @property
     def mean_start_interval_s(self) -> float | None:
+        horizon = self.clock() - self.config.rate_max_age_s
+        while self._intervals and self._intervals[0][0] < horizon:
+            self._intervals.popleft()
         if not self._intervals:
             return None
-        return sum(self._intervals) / len(self._intervals)
+        return sum(s for _, s in self._intervals) / len(self._intervals)
 
     # ----- inside -----
     def _interval_estimate(self) -> float:

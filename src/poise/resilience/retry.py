@@ -5,13 +5,13 @@ jitter"), or the server's ``Retry-After`` when it gave one and it is longer. A r
 would not leave ``min_attempt_s`` before the request's deadline is not made.
 
 Budget (as Envoy's retry budget and the SRE book's per-client budget), two bounds at once:
-retries in flight may not exceed ``ratio`` × requests in flight, and retries made over the last
-``window_s`` may not exceed ``ratio`` × requests begun in it. Each bound has a floor so that a
+retries in flight may not exceed ``ratio`` x requests in flight, and retries made over the last
+``window_s`` may not exceed ``ratio`` x requests begun in it. Each bound has a floor so that a
 quiet gateway can still retry: ``min_concurrent`` in flight, and ``min_per_s`` a second over the
-window (as Finagle's ``minRetriesPerSec``); under load the ratio is the bound. A retry is in flight from its grant
-until the attempt it bought has answered. When backends fail together, every request would
-retry at once and multiply the load on whatever is left; the budget caps the extra calls at
-``ratio`` of the requests.
+window (as Finagle's ``minRetriesPerSec``); under load the ratio is the bound. A retry is in
+flight from its grant until the attempt it bought has answered. When backends fail together,
+every request would retry at once and multiply the load on whatever is left; the budget caps
+the extra calls at ``ratio`` of the requests.
 
 Pure: the random source is injected; the budget is a counter the caller holds across calls.
 """

@@ -22,13 +22,9 @@ from serverproc import ServerProcess, start_servers
 FAST_HEALTH = {"interval_s": 0.5, "timeout_s": 2.0, "healthy_after": 1, "unhealthy_after": 1}
 
 
-@pytest.fixture(scope="module")
-def replicas(llama_dir, tmp_path_factory):
-    log_dir = tmp_path_factory.mktemp("replicas")
-    procs = start_servers(2, llama_dir, log_dir, "--enable-fault-injection")
-    yield procs
-    for p in procs:
-        p.stop()
+@pytest.fixture
+def replicas(healthy_pair):
+    return healthy_pair
 
 
 @pytest.fixture

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from redisproc import RedisServer
-
 from poise.gateway.config import RateLimitSettings
 from poise.gateway.limits import GatewayLimits
 from poise.resilience.ratelimit import Charge, Limit
+from redisproc import RedisServer
 
 TPM = Limit(per_minute=1000)
 

@@ -49,7 +49,7 @@ def test_start_rate_predicts_the_wait_and_idle_time_is_not_counted():
     for key in "abc":
         clock.now += 0.5
         ac.started(key)
-    clock.now += 1000  # idle: must not make the service look slow
+    clock.now += 20  # idle: must not make the service look slow
     ac.admit(["d", "e"], [1, 1])
     clock.now += 0.5
     ac.started("d")
@@ -206,3 +206,20 @@ def test_a_resumed_stream_is_taken_past_the_wait_bound_but_not_past_a_full_queue
     assert ac.admit(["resumed2"], [1], continuation=True).admitted
     full = ac.admit(["resumed3"], [1], continuation=True)
     assert not full.admitted and full.reason == "queue_full"
+
+
+def test_a_slow_spell_long_past_does_not_refuse_todays_work():
+    """Start intervals from a slow spell (a fault, another load) age out: refusals make no new
+    samples, so without an age limit the old rate would refuse work for as long as it lasted."""
+    ac, clock = make(max_queue_wait_s=1.0)
+    ac.admit(["a", "b", "c"], [1, 1, 1])
+    for key in "abc":
+        clock.now += 2.0  # a start every 2 s: the queue wait bound refuses one ahead
+        ac.started(key)
+    ac.admit(["d"], [1])
+    assert not ac.admit(["e"], [1]).admitted  # one ahead at 2 s each: over 1 s
+    ac.started("d")
+    clock.now += 31  # the spell is over; nobody came for a while
+    ac.admit(["f"], [1])
+    assert ac.mean_start_interval_s is None
+    assert ac.admit(["g"], [1]).admitted  # judged by the slot forecast and stalls alone
