@@ -16,19 +16,22 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from poise.gateway.core import GatewayCore
 from poise.gateway.pool import Backend, Pool
 from poise.protocol import APIError
-
-if TYPE_CHECKING:
-    from poise.gateway.app import Gateway
 
 log = logging.getLogger("poise.gateway.admin")
 
 MAX_WAIT_S = 60.0
+
+
+class Gateway(GatewayCore, Protocol):
+    def watch(self, backend: Backend) -> None:
+        """Start the health checks of a backend (again)."""
 
 
 class BackendRef(BaseModel):
@@ -126,7 +129,7 @@ def restore(gw: Gateway, ref: BackendRef) -> dict[str, Any]:
             raise unknown(ref)
         backend = pool.add(listed, source=None)
         backend.healthy = False
-        gw._watch(backend)  # its checks were stopped when it was dropped
+        gw.watch(backend)  # its checks were stopped when it was dropped
         log.warning("backend %s restored by an admin request: in once a check passes", url)
         return describe(pool, backend)
     listed_only(backend)

@@ -135,9 +135,9 @@ class Gateway:
         )
         for pool in self.pools.values():
             for b in pool.backends:
-                self._watch(b)
+                self.watch(b)
         discovered = [
-            DnsBackends(pool, bs, self._watch, self._unwatch, self.resolver)
+            DnsBackends(pool, bs, self.watch, self._unwatch, self.resolver)
             for name, pool in self.pools.items()
             for bs in self.settings.models[name].backends
             if bs.discovery == "dns"
@@ -150,7 +150,7 @@ class Gateway:
             *([] if self.shared is None else [asyncio.create_task(self.shared.run())]),
         ]
 
-    def _watch(self, backend: Backend) -> None:
+    def watch(self, backend: Backend) -> None:
         assert self.client is not None
         pool = self.pools[backend.model]
 

@@ -12,16 +12,14 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import asdict
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from poise.gateway.core import GatewayCore
 from poise.resilience.autoscale import AutoscaleConfig, Autoscaler, Decision
-
-if TYPE_CHECKING:
-    from poise.gateway.app import Gateway
 
 
 class ModelScaling:
-    def __init__(self, model: str, config: AutoscaleConfig, gw: Gateway) -> None:
+    def __init__(self, model: str, config: AutoscaleConfig, gw: GatewayCore) -> None:
         self.model = model
         self.gw = gw
         self.scaler = Autoscaler(config, gw.clock)
@@ -53,7 +51,7 @@ class ModelScaling:
 
 
 class Autoscaling:
-    def __init__(self, gw: Gateway, config: AutoscaleConfig, interval_s: float) -> None:
+    def __init__(self, gw: GatewayCore, config: AutoscaleConfig, interval_s: float) -> None:
         self.interval_s = interval_s
         self.models = {m: ModelScaling(m, config, gw) for m in gw.settings.models}
 

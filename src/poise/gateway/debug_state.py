@@ -7,13 +7,12 @@ configured) because it names every backend.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from poise.gateway.app import Gateway
+from poise.gateway.core import GatewayCore
 
 
-def gateway_state(gw: Gateway) -> dict[str, Any]:
+def gateway_state(gw: GatewayCore) -> dict[str, Any]:
     now = gw.clock()
     models: dict[str, Any] = {}
     for name, pool in gw.pools.items():

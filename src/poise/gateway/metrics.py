@@ -9,18 +9,26 @@ registry is injected: two gateways in one process, or a test, never share one.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from poise.gateway.autoscaling import Autoscaling
+from poise.gateway.core import GatewayCore
+from poise.gateway.record import RequestRecord
 from poise.resilience.breaker import BreakerState
 
 if TYPE_CHECKING:
-    from poise.gateway.app import Gateway
     from poise.gateway.pool import Backend
-    from poise.gateway.proxy import RequestRecord
+
+
+class MetricsSource(GatewayCore, Protocol):
+    """What the scrape-time gauges read: the shared state and the autoscaling advice."""
+
+    autoscaling: Autoscaling
+
 
 BREAKER_VALUE = {BreakerState.CLOSED: 0, BreakerState.HALF_OPEN: 1, BreakerState.OPEN: 2}
 LATENCY_BUCKETS = (
@@ -30,7 +38,7 @@ QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
 
 
 class GatewayMetrics:
-    def __init__(self, gateway: Gateway, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, gateway: MetricsSource, registry: CollectorRegistry | None = None) -> None:
         r = self.registry = registry if registry is not None else CollectorRegistry()
         self.requests = Counter(
             "poise_gateway_requests",
@@ -169,7 +177,7 @@ class GatewayMetrics:
 class _LiveState(Collector):
     """Gauges read from the gateway's state at scrape time."""
 
-    def __init__(self, gateway: Gateway) -> None:
+    def __init__(self, gateway: MetricsSource) -> None:
         self.gw = gateway
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
@@ -241,7 +249,7 @@ class _LiveState(Collector):
             )
 
 
-def _autoscale_families(gw: Gateway) -> Iterator[GaugeMetricFamily]:
+def _autoscale_families(gw: MetricsSource) -> Iterator[GaugeMetricFamily]:
     """Formula 5's inputs and output per model, for KEDA, an HPA or a person."""
     families = {
         "desired": GaugeMetricFamily(

@@ -16,16 +16,20 @@ import random
 import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from opentelemetry import trace
 
 from poise.asgi import CancelOnDisconnect, ClientGoneError, EventStreamResponse
-from poise.gateway.forward import Attempt, Upstream, output_tokens
+from poise.gateway.autoscaling import Autoscaling
+from poise.gateway.config import KeySettings
+from poise.gateway.core import GatewayCore
+from poise.gateway.forward import Attempt, Forwarder, Upstream, output_tokens
+from poise.gateway.metrics import GatewayMetrics
 from poise.gateway.pool import Backend, affinity_key
+from poise.gateway.record import RequestRecord
 from poise.gateway.request_body import (
     estimate_tokens,
     max_output_tokens,
@@ -33,15 +37,13 @@ from poise.gateway.request_body import (
     prompt_text,
     resumable,
 )
-from poise.gateway.response_cache import cache_key
+from poise.gateway.response_cache import ResponseCache, cache_key
 from poise.gateway.stream import StreamPosition, relay
 from poise.observability import tracing as tr
 from poise.observability.logs import ms
+from poise.observability.tracing import Tracing
 from poise.protocol import ATTEMPT_COUNT_HEADER, STREAM_TOKENS_HEADER, APIError
 from poise.resilience.ratelimit import Charge
-
-if TYPE_CHECKING:
-    from poise.gateway.app import Gateway
 
 log = logging.getLogger("poise.gateway.access")
 
@@ -50,46 +52,22 @@ REQUEST_ID_HEADER = "x-request-id"
 _ids = random.Random()
 # Usage sits at the end of a completion; a search of the tail is cheaper than parsing it all.
 _PROMPT_TOKENS = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
-# An APIError's code, as the outcome label of the request counter.
-_OUTCOMES = {
-    "rate_limit_exceeded": "rate_limited",
-    "queue_full": "shed",
-    "shed": "shed",
-    "overloaded": "overloaded",
-    "no_backend": "no_backend",
-    "upstream_error": "upstream_error",
-    "timeout": "timeout",
-}
 
 
-@dataclass(slots=True)
-class RequestRecord:
-    """What one request did, for its metrics, its log line and its span."""
+class Gateway(GatewayCore, Protocol):
+    """What a proxied request uses of the gateway, besides the shared state."""
 
-    request_id: str
-    path: str
-    arrived: float  # perf_counter
-    model: str | None = None
-    key: str | None = None
-    priority: int = 0
-    stream: bool = False
-    status: int = 0
-    outcome: str = "error"
-    backend: str | None = None
-    fallback: str | None = None
-    retries: int = 0
-    queue_s: float | None = None
-    ttft_s: float | None = None
-    e2e_s: float | None = None
-    input_tokens: int | None = None
-    output_tokens: int | None = None
-    error: str | None = None
+    metrics: GatewayMetrics
+    tracing: Tracing
+    forwarder: Forwarder | None  # None until the gateway has started
+    autoscaling: Autoscaling
+    caches: dict[str, ResponseCache]  # the models that keep answers to fall back on
 
-    def failed(self, exc: APIError) -> None:
-        self.status = exc.status
-        default = "shed" if exc.status == 429 else "client_error" if exc.status < 500 else "error"
-        self.outcome = _OUTCOMES.get(exc.code or "", default)
-        self.error = str(exc.body()["error"]["message"])[:300]
+    def authenticate(self, request: Request) -> KeySettings | None: ...
+
+    def charges(self, key: KeySettings | None, model: str, tokens: float) -> list[Charge]: ...
+
+    def deadline(self, request: Request) -> float: ...
 
 
 def make_proxy(gw: Gateway) -> Proxy:
