@@ -136,9 +136,9 @@ def is_json_type(content_type: bytes) -> bool:
 
 
 class GuardMiddleware:
-    """What every request with a body passes before anything parses it: when keys are set, a
-    key for the API (``/v1/``) or the live state (``/debug/``) (else 401); a JSON content type
-    or none (else 415); at most ``max_body_bytes`` (else 413), all of it within
+    """What a request passes before anything parses it. When keys are set, a call to the API
+    (``/v1/``) or the live state (``/debug/``) needs one (else 401). A body has a JSON content
+    type or none (else 415), at most ``max_body_bytes`` (else 413), all of it within
     ``body_timeout_s`` of the headers (else 408, and the connection closes: a client that sends
     headers and stalls holds nothing longer than that)."""
 

@@ -23,6 +23,7 @@ ERROR_TYPES: dict[int, str] = {
     400: "invalid_request_error",
     401: "authentication_error",
     404: "not_found_error",
+    405: "invalid_request_error",
     408: "invalid_request_error",
     413: "invalid_request_error",
     415: "invalid_request_error",
