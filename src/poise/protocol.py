@@ -165,7 +165,8 @@ class _Request(BaseModel):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
     include_stop_str_in_output: bool = False
-    priority: int | None = Field(default=None, ge=-(2**31), le=2**31 - 1)
+    # Above -(2**31): that one is the replica's own health probe's, which no request may tie.
+    priority: int | None = Field(default=None, gt=-(2**31), le=2**31 - 1)
     # poise's own: continue a stream another replica began (the gateway's mid-stream failover)
     poise_resume: ResumeState | None = None
 

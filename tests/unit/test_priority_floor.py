@@ -16,3 +16,19 @@ def test_the_header_is_a_floor_the_body_cannot_raise():
     with pytest.raises(APIError) as err:
         priority_from(1, "soon")
     assert err.value.status == 400 and err.value.param == "X-Priority"
+
+
+def test_no_request_may_tie_with_the_replicas_own_health_probe():
+    from pydantic import ValidationError
+
+    from poise.protocol import CompletionRequest
+    from poise.server.replica import PROBE_PRIORITY
+
+    with pytest.raises(ValidationError):
+        CompletionRequest.model_validate({"model": "m", "prompt": "x", "priority": PROBE_PRIORITY})
+    assert (
+        CompletionRequest.model_validate(
+            {"model": "m", "prompt": "x", "priority": PROBE_PRIORITY + 1}
+        ).priority
+        == PROBE_PRIORITY + 1
+    )

@@ -24,8 +24,8 @@
         tokens_per_minute: 200000
     timeouts: {connect_s: 2, first_byte_s: 30, stream_idle_s: 30, total_s: 600}
     retry: {max_retries: 2, base_s: 0.05, cap_s: 2, budget_ratio: 0.2, budget_min_concurrent: 3,
-            budget_window_s: 10, budget_min_per_s: 10}   # retries in flight and over the
-                                                         # window: <= 20 % of requests
+            budget_window_s: 10, budget_min_per_s: 1}   # retries: <= 20 % of requests in
+                                 # flight (or 3) and of those of the last 10 s (or 10)
     breaker: {failure_rate: 0.5, slow_call_rate: 0.8, slow_call_s: 10, slow_token_s: 1,
               min_calls: 10, open_s: 10}   # slow: silent 10 s, or over 10 s + 1 s a token
     ejection: {consecutive_failures: 5, base_s: 30, max_s: 300, max_ejected_share: 0.5}
@@ -109,7 +109,7 @@ class RetrySettings(_Strict):
     budget_ratio: float = Field(default=0.2, ge=0, le=1)
     budget_min_concurrent: int = Field(default=3, ge=0)
     budget_window_s: float = Field(default=10.0, gt=0)  # retries over it <= ratio x requests
-    budget_min_per_s: float = Field(default=10.0, ge=0)  # ... or this many a second, if more
+    budget_min_per_s: float = Field(default=1.0, ge=0)  # ... or this many a second, if more
 
 
 class BreakerSettings(_Strict):

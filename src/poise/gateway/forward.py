@@ -202,6 +202,12 @@ class Forwarder:
             journey.holds_retry = True
             await asyncio.sleep(delay)
 
+    def _ran_out(self, data: bytes, started: float, left_s: float) -> bool:
+        """Whether a backend's 504 is the request's deadline passing there: it says so, or too
+        little of the deadline is left for another attempt."""
+        left = left_s - (self.clock() - started)
+        return _code(data) == "timeout" or left < self.policy.min_attempt_s
+
     async def _attempt(
         self,
         pool: Pool,
@@ -265,6 +271,11 @@ class Forwarder:
                     cut.armed = False
                     response.release()
                     journey.overloaded = status == 429
+                    if status == 504 and self._ran_out(data, started, left_s):
+                        # The backend kept the request to its deadline (a poise replica
+                        # honours the deadline header and says so): the request's 504.
+                        outcome.done("deadline")
+                        raise APIError(504, f"{backend.url}: {_message(data)}", code="timeout")
                     if status in RETRYABLE_STATUS:
                         outcome.done("overloaded" if status == 429 else "error")
                         journey.last_error = f"{status} from {backend.url}: {_message(data)}"
@@ -273,6 +284,8 @@ class Forwarder:
                     return Upstream(status, _pass_headers(response), data, backend=backend), None
                 chunks = response.content.iter_any()
                 first = await anext(chunks, b"")
+                if timer is not None:
+                    timer.read_ended()
                 cut.armed = False
                 if not first:
                     raise aiohttp.ServerDisconnectedError("the stream ended before its first chunk")
@@ -377,18 +390,26 @@ class Outcome:
         self.closed = True
         self._end_span(outcome)
         now = self.fwd.clock()
-        if self.timer is not None:
-            # A stream: its silences (to the first tokens, between reads) are the backend's.
-            timing = CallTiming(now - self.started, self.timer.silence(now), self.timer.count)
-            self.timer.close()
+        elapsed = now - self.started
+        if outcome == "deadline":
+            # Silent until the request's time ran out: no failure, but a slow call if that
+            # silence reached slow_call_s (a hung backend must not escape every verdict).
+            timing = CallTiming(elapsed, elapsed, None)
+        elif self.timer is not None:
+            # A stream: only the time spent waiting on the backend's reads is its own.
+            backend_s, longest_wait = self.timer.waits(now)
+            timing = CallTiming(backend_s, longest_wait, self.timer.count)
         else:
-            # A whole answer is silent until complete: only its time per token can tell.
-            timing = CallTiming(now - self.started, 0.0, tokens or 0)
+            # A whole answer is silent until complete: only its time per token can tell, and
+            # only when it says how many tokens it has.
+            timing = CallTiming(elapsed, 0.0, tokens)
+        if self.timer is not None:
+            self.timer.close()
         self.backend.inflight -= 1
         # 429 ("overloaded") is a busy backend, not a broken one: it does not count against it;
         # nor does a request whose own deadline ran out while the backend worked on it.
         failed = outcome in ("error", "timeout", "connect_error")
-        if outcome in ("overloaded", "deadline"):
+        if outcome == "overloaded":
             self.backend.breaker.release(self.permit)
         else:
             self.backend.breaker.record(self.permit, not failed, timing)
@@ -433,6 +454,14 @@ def output_tokens(body: bytes) -> int | None:
 def _renamed(body: bytes, model: str) -> bytes:
     """The body with the model under the name the backend knows it by."""
     return json.dumps({**json.loads(body), "model": model}).encode()
+
+
+def _code(data: bytes) -> str | None:
+    try:
+        code = json.loads(data)["error"].get("code")
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None
+    return code if isinstance(code, str) else None
 
 
 def _message(data: bytes) -> str:

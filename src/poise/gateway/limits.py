@@ -76,8 +76,8 @@ class GatewayLimits:
         if not shared:
             self.local.adjust(charge)
             return
-        if self.shared is None:
-            return
+        if self.shared is None or self.clock() < self._down_until:
+            return  # Redis is known to be down: not worth a timeout on the request's path
         try:
             await self.shared.adjust(charge)
         except (RedisError, OSError) as exc:

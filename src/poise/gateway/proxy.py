@@ -196,6 +196,11 @@ async def _handle(
     if isinstance(asked, int) and not isinstance(asked, bool) and asked > priority:
         priority = asked
     headers["x-priority"] = str(priority)
+    if "priority" in data and asked != priority:
+        # The body says it too, for a backend that reads only the body (vLLM). A body without
+        # one is left so: adding the field would be refused by a vLLM not scheduling by it.
+        data = {**data, "priority": priority}
+        raw = json.dumps(data).encode()
     record.priority = priority
     if span is not None:
         tr.set_attributes(

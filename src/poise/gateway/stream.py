@@ -64,11 +64,17 @@ async def _batches(upstream: Upstream, idle_s: float) -> AsyncIterator[bytes]:
         if cut >= 0:
             yield pending[: cut + 2]
             pending = pending[cut + 2 :]
+        timer = upstream.outcome.timer if upstream.outcome is not None else None
+        if timer is not None:
+            timer.read_begun()  # this wait is the backend's; a slow client's is not
         try:
             async with asyncio.timeout(idle_s):
                 chunk = await anext(upstream.chunks, None)
         except TimeoutError:
             raise StreamBrokeError(f"no data from the backend for {idle_s:g}s") from None
+        finally:
+            if timer is not None:
+                timer.read_ended()
         if chunk is None:
             break
         pending += chunk

@@ -59,13 +59,16 @@ class BreakerConfig:
 class CallTiming:
     """How one call went, in the terms the slow-call rule reads."""
 
-    duration_s: float  # from the call's start to its end
+    duration_s: float  # the backend's time: from the call's start, less any client's pace
     longest_silence_s: float = 0.0  # to the first byte, or between two streamed events
-    output_tokens: int = 0
+    output_tokens: int | None = 0  # None: not known (then only silence can tell)
 
     def slow(self, config: BreakerConfig) -> bool:
-        allowed = config.slow_call_s + self.output_tokens * config.slow_token_s
-        return self.longest_silence_s >= config.slow_call_s or self.duration_s > allowed
+        if self.longest_silence_s >= config.slow_call_s:
+            return True
+        if self.output_tokens is None:
+            return False
+        return self.duration_s > config.slow_call_s + self.output_tokens * config.slow_token_s
 
 
 class Permit:

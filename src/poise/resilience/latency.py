@@ -172,7 +172,10 @@ class StreamTimer:
     however it ends; a context manager does that.
     """
 
-    __slots__ = ("_tracker", "closed", "count", "last", "longest_gap", "started", "url")
+    __slots__ = (
+        "_read_at", "_tracker", "backend_s", "closed", "count", "last", "longest_wait", "started",
+        "url",
+    )  # fmt: skip
 
     def __init__(self, tracker: LatencyTracker, url: str, started: float) -> None:
         self._tracker = tracker
@@ -180,25 +183,39 @@ class StreamTimer:
         self.started = started
         self.last: float | None = None  # when tokens last came; None: none yet
         self.count = 0  # output tokens so far
-        self.longest_gap = 0.0  # to the first tokens, or between two reads that brought some
+        # Time spent waiting on the backend's reads, and the longest such wait. A relay blocked
+        # on a slow client does not read, so this is the backend's time, not the client's.
+        self.backend_s = 0.0
+        self.longest_wait = 0.0
+        self._read_at: float | None = started  # the first read (to the first byte) is under way
         self.closed = False
+
+    def read_begun(self) -> None:
+        self._read_at = self._tracker.clock()
+
+    def read_ended(self) -> None:
+        if self._read_at is not None:
+            wait = self._tracker.clock() - self._read_at
+            self._read_at = None
+            self.backend_s += wait
+            self.longest_wait = max(self.longest_wait, wait)
 
     def tokens(self, n: int = 1) -> None:
         if self.closed or n <= 0:
             return
         now = self._tracker.clock()
-        gap = now - (self.started if self.last is None else self.last)
         if self.last is None:
-            self._tracker.observe_ttft(self.url, gap)
+            self._tracker.observe_ttft(self.url, now - self.started)
         else:
-            self._tracker.observe_tpot(self.url, gap / n)
-        self.longest_gap = max(self.longest_gap, gap)
+            self._tracker.observe_tpot(self.url, (now - self.last) / n)
         self.count += n
         self.last = now
 
-    def silence(self, now: float) -> float:
-        """The longest wait for tokens, counting the one still going on at ``now``."""
-        return max(self.longest_gap, now - (self.started if self.last is None else self.last))
+    def waits(self, now: float) -> tuple[float, float]:
+        """(all the time spent waiting on the backend, the longest wait), counting a read
+        still under way at ``now``."""
+        current = 0.0 if self._read_at is None else now - self._read_at
+        return self.backend_s + current, max(self.longest_wait, current)
 
     def close(self) -> None:
         if not self.closed:

@@ -60,7 +60,7 @@ class RetryBudget:
         ratio: float = 0.2,
         min_concurrent: int = 3,
         window_s: float = 10.0,
-        min_per_s: float = 10.0,
+        min_per_s: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not 0 <= ratio <= 1 or min(min_concurrent, min_per_s) < 0 or window_s <= 0:
@@ -91,8 +91,10 @@ class RetryBudget:
         return max(floor, int(self.ratio * len(self._requests)))
 
     def request_started(self) -> None:
+        now = self.clock()
         self.active_requests += 1
-        self._requests.append(self.clock())
+        self._requests.append(now)
+        self._forget_before(now - self.window_s)  # memory: the window's requests, no more
 
     def request_ended(self) -> None:
         self.active_requests = max(0, self.active_requests - 1)

@@ -29,6 +29,7 @@ class FakeBackend:
         self.draining = False  # /health answers as a poise replica after SIGTERM
         self.delay_s = 0.0
         self.completions = 0
+        self.received: list[tuple[dict[str, str], dict[str, Any]]] = []  # headers, body
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -51,7 +52,8 @@ class FakeBackend:
                     self._send(200, b"", "text/plain")
 
             def do_POST(self) -> None:
-                self.rfile.read(int(self.headers.get("content-length", 0)))
+                sent = self.rfile.read(int(self.headers.get("content-length", 0)))
+                outer.received.append((dict(self.headers.items()), json.loads(sent or b"{}")))
                 outer.completions += 1
                 time.sleep(outer.delay_s)
                 body = {
@@ -266,3 +268,21 @@ def test_loopback_is_recognised_in_every_spelling_and_nothing_else_is():
         assert _is_loopback(host), host
     for host in ("10.1.2.3", "::ffff:10.1.2.3", "fe80::1", "", "testclient", "127.0.0.1.evil"):
         assert not _is_loopback(host), host
+
+
+def test_an_admin_body_is_read_by_the_strict_rules_and_refused_in_openais_shape():
+    # Read leniently, a deeply nested body was a RecursionError: a plain-text 500 and a dropped
+    # connection; NaN and a lone surrogate passed the parser and failed further on.
+    with gateway(1) as (client, (a,)):
+        for body in (
+            b"[" * 100_000 + b"]" * 100_000,
+            b'{"model": "m", "url": NaN}',
+            b'{"model": "\\ud800", "url": "x"}',
+            b'{"model": "m", "url": "\xff"}',
+        ):
+            for route in ("/admin/backends/drain", "/admin/backends/restore"):
+                r = client.post(route, content=body, headers={"content-type": "application/json"})
+                assert r.status_code == 400, (route, body[:40], r.text[:200])
+                assert r.json()["error"]["code"] == "invalid_body"
+        ref = {"model": "m", "url": a.url}
+        assert client.post("/admin/backends/drain", json=ref).status_code == 200

@@ -89,13 +89,19 @@ async def backends() -> AsyncIterator[Callable[..., Awaitable[tuple[Pool, Forwar
         await r.cleanup()
 
 
-async def send(pool: Pool, fwd: Forwarder, journey: Attempt | None = None, stream: bool = False):
+async def send(
+    pool: Pool,
+    fwd: Forwarder,
+    journey: Attempt | None = None,
+    stream: bool = False,
+    deadline_s: float = 30.0,
+):
     return await fwd.send(
         pool,
         "/v1/completions",
         b'{"model": "m", "prompt": "x"}',
         {"content-type": "application/json"},
-        time.monotonic() + 30,
+        time.monotonic() + deadline_s,
         stream,
         None,
         journey or Attempt(),
@@ -275,7 +281,7 @@ async def test_the_retry_budget_bounds_the_calls_on_backends_that_fail_everythin
         ejection={"consecutive_failures": 1000},
     )
     fwd.policy = RetryPolicy(max_retries=2, base_s=0.0, cap_s=0.0)
-    fwd.budget = RetryBudget()  # the gateway's defaults: 20 %, floors of 3 and 10 a second
+    fwd.budget = RetryBudget()  # the gateway's defaults: 20 %, floors of 3 and 1 a second
 
     async def request() -> int:
         fwd.budget.request_started()
@@ -288,7 +294,11 @@ async def test_the_retry_budget_bounds_the_calls_on_backends_that_fail_everythin
         return 200
 
     statuses: list[int] = []
-    for _ in range(10):  # waves of 100 concurrent requests
+    for _ in range(4):  # a few at a time: 100 requests
+        statuses += await asyncio.gather(*(request() for _ in range(25)))
+    assert statuses == [502] * 100
+    assert len(calls) <= 1.2 * 100, len(calls)  # without the budget: 300
+    for _ in range(9):  # then waves of 100 at once: 1,000 requests in all
         statuses += await asyncio.gather(*(request() for _ in range(100)))
     assert statuses == [502] * 1000
     assert len(calls) <= 1.2 * 1000, len(calls)  # without the budget: 3,000
@@ -307,3 +317,67 @@ async def test_a_stream_from_another_engine_that_ends_without_done_ends_with_an_
     out = b"".join([c async for c in relay(up, 5.0)])
     assert out.startswith(b'data: {"choices": [{"text": "half an"}]}')
     assert b'"error"' in out and out.endswith(b"data: [DONE]\n\n")
+
+
+SLOW = {"slow_call_s": 0.2, "slow_token_s": 0.05, "slow_call_rate": 0.5, "min_calls": 3}
+
+
+async def test_a_deadline_that_runs_out_is_a_504_and_a_slow_call_not_a_failure(backends):
+    """Silent to the deadline: the client hears 504 (not 502), no retry runs, the backend is
+    not failed, yet a backend that hangs every call is judged slow and taken out."""
+    calls: list[str] = []
+    hang = Hang()
+    pool, fwd = await backends(counted(calls, "a", hang.handler), breaker=SLOW)
+    (b,) = pool.backends
+    for _ in range(3):
+        with pytest.raises(APIError) as err:
+            await send(pool, fwd, deadline_s=0.3)
+        assert err.value.status == 504
+    assert len(calls) == 3  # one attempt each: nothing left to retry in
+    assert b.inflight == 0 and not pool.outliers.is_ejected(b.url)
+    assert b.breaker.state is BreakerState.OPEN  # three slow calls of three
+
+
+async def test_a_backends_own_deadline_504_is_passed_on_as_the_requests(backends):
+    async def timed_out(request: web.Request) -> web.Response:
+        body = {"error": {"message": "the request's deadline passed", "code": "timeout"}}
+        return web.json_response(body, status=504)
+
+    calls: list[str] = []
+    pool, fwd = await backends(counted(calls, "a", timed_out), counted(calls, "b", answer))
+    a, b = pool.backends
+    b.healthy = False  # so that the attempt goes to the one that times out
+    for _ in range(3):
+        with pytest.raises(APIError) as err:
+            await send(pool, fwd)
+        assert err.value.status == 504 and err.value.code == "timeout"
+    assert calls == ["a"] * 3  # not retried: its time is up
+    assert a.breaker.allows() and not pool.outliers.is_ejected(a.url)
+
+
+async def test_a_slow_reader_does_not_make_its_backend_slow(backends):
+    """The relay waits on the client between reads: that time is not the backend's."""
+
+    async def fast_stream(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await resp.prepare(request)
+        for _ in range(5):
+            await resp.write(b'data: {"choices": [{"text": "t"}]}\n\n')
+            await asyncio.sleep(0.01)
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    async def whole_without_usage(request: web.Request) -> web.Response:
+        await asyncio.sleep(0.3)  # longer than slow_call_s; how many tokens, it does not say
+        return web.json_response({"choices": [{"text": "x" * 500}]})
+
+    pool, fwd = await backends(fast_stream, breaker=SLOW)
+    for _ in range(3):
+        up = await send(pool, fwd, stream=True)
+        async for _chunk in relay(up, 5.0):
+            await asyncio.sleep(0.3)  # the client reads slowly
+    assert pool.backends[0].breaker.state is BreakerState.CLOSED
+    pool2, fwd2 = await backends(whole_without_usage, breaker=SLOW)
+    for _ in range(3):
+        assert (await send(pool2, fwd2)).status == 200
+    assert pool2.backends[0].breaker.state is BreakerState.CLOSED

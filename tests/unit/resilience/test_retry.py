@@ -56,3 +56,12 @@ def test_over_the_window_retries_stay_a_share_of_requests(clock):
     clock.advance(10.0)  # the window has passed: a quiet gateway may retry again
     b.request_started()
     assert b.try_retry()
+
+
+def test_a_gateway_that_never_retries_keeps_only_the_windows_requests(clock):
+    b = RetryBudget(window_s=10.0, clock=clock)
+    for _ in range(20_000):  # 100 requests a second for 200 s, none retried
+        b.request_started()
+        b.request_ended()
+        clock.advance(0.01)
+    assert len(b._requests) <= 1001
