@@ -6,8 +6,13 @@ test_schema_fuzz.py``); this runs ``--cases`` (1,000 by default) an operation an
 positive and half negative, about half of them with a hostile string (a lone surrogate, NUL, a
 byte order mark, 100,000 characters) in place of a generated one, and counts what no input may
 get: a 5xx, FastAPI's 422, or an error that is not in OpenAI's shape. Every failing case is
-recorded (the run goes on) and grouped by operation, status and message; the servers must still
-answer a normal request at the end.
+recorded (the run goes on), a reset connection or a timeout included (status 0), and grouped by
+operation, status and message; the servers must still answer a normal request at the end, and
+neither log may hold an unhandled error (a 500 in the right shape is still a bug). Each operation
+that takes input must run every case asked for, unless Hypothesis says it tried every distinct
+case there is, which the report says by name. Most cases, negative ones too, carry the served
+model's name, so that they get past the gateway's and the replica's model check to the validation
+behind it.
 
 A tiny random model with a short context keeps generation cheap: most of the time goes to
 Hypothesis generating cases. Both processes run on loopback and are stopped by pid.
@@ -38,6 +43,7 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.errors import Unsatisfiable
+from hypothesis.statistics import collector
 from schemathesis.generation import GenerationMode
 
 from poise.launcher import free_port, serve_argv, stop_process, wait_ready
@@ -45,6 +51,12 @@ from poise.modelgen.make_model import make_model
 
 KEY = "sk-schema-fuzz"
 ERROR_FIELDS = {"message", "type", "param", "code"}
+SERVED_MODEL = "m"
+# What a server logs for an error no handler took (ErrorShield, the gateway's proxied routes,
+# uvicorn), and any traceback at all: each is a bug whatever the client was answered.
+UNHANDLED = re.compile(r"unhandled error|Exception in ASGI application|Traceback \(most recent")
+# Hypothesis's own words (``ExitReason.finished``) for a run that tried every distinct case.
+EXHAUSTED = "nothing left to do"
 # Strings Hypothesis's text() never draws (it leaves out surrogates) or rarely reaches: one of
 # them replaces a string of about half the generated bodies.
 HOSTILE_STRINGS = st.sampled_from(
@@ -73,6 +85,44 @@ def spoil(body: Any, data: st.DataObject) -> None:
     holder[last] = data.draw(HOSTILE_STRINGS, label="with")
 
 
+def past_the_door(body: Any, at_gateway: bool) -> None:
+    """Most of the time, what gets a case past the first checks to the validation behind them.
+
+    A random model name is a 404, and so is a missing or null one at the gateway (the replica's
+    schema makes ``model`` optional, and the replica takes its own name): the served name goes
+    in its place. A model of another type is what a negative case varied: it stays. The gateway
+    refuses ``poise_resume`` from clients (it is the gateway's to set), and the schema's optional
+    field would be in about half the cases."""
+    if not isinstance(body, dict):
+        return
+    if body.get("model") is None or isinstance(body["model"], str):
+        body["model"] = SERVED_MODEL
+    if at_gateway:
+        body.pop("poise_resume", None)
+
+
+@dataclass
+class Run:
+    """One operation in one generation mode: how many cases were asked for and ran, and why
+    Hypothesis stopped."""
+
+    label: str
+    mode: str
+    takes_input: bool
+    requested: int
+    ran: int = 0
+    stopped_because: str = ""
+
+    @property
+    def exhausted(self) -> bool:
+        return self.stopped_because == EXHAUSTED
+
+    @property
+    def short(self) -> bool:
+        """Fewer cases than asked for with more left to try: the run did not do its job."""
+        return self.takes_input and self.ran < self.requested and not self.exhausted
+
+
 @dataclass
 class Tally:
     """One target's results: cases run by operation, failures by kind."""
@@ -81,7 +131,18 @@ class Tally:
     statuses: Counter[tuple[str, int]] = field(default_factory=Counter)
     failures: Counter[tuple[str, int, str]] = field(default_factory=Counter)
     examples: dict[tuple[str, int, str], str] = field(default_factory=dict)
-    skipped: list[str] = field(default_factory=list)
+    runs: list[Run] = field(default_factory=list)
+    # Which check refused the 4xx cases (the error's param, or its message's start): the way to
+    # see that the cases got past the model check to the validation behind it.
+    refusals: Counter[tuple[str, int, str]] = field(default_factory=Counter)
+
+    def refused(self, label: str, response: requests.Response) -> None:
+        try:
+            error = response.json()["error"]
+            what = error.get("param") or re.sub(r"\d+", "N", str(error.get("message")))[:50]
+        except (ValueError, KeyError, TypeError, AttributeError):
+            return  # not in OpenAI's shape: recorded as a failure
+        self.refusals[(label, response.status_code, str(what))] += 1
 
     def record(self, label: str, status: int, problem: str, case: Any) -> None:
         key = (label, status, re.sub(r"\d+", "N", problem)[:120])
@@ -109,32 +170,52 @@ def run_operation(
     operation: Any,
     mode: GenerationMode,
     call: Callable[[Any], requests.Response],
-    cases: int,
+    run: Run,
     tally: Tally,
+    at_gateway: bool,
 ) -> None:
     label = operation.label
 
     @given(case=operation.as_strategy(generation_mode=mode), data=st.data())
     @settings(
-        max_examples=cases, deadline=None, database=None, suppress_health_check=list(HealthCheck)
+        max_examples=run.requested,
+        deadline=None,
+        database=None,
+        suppress_health_check=list(HealthCheck),
     )
     def check(case: Any, data: st.DataObject) -> None:
-        if mode is GenerationMode.POSITIVE and isinstance(case.body, dict):
-            # The served name: a random one is a 404 at the gateway's door, and the case would
-            # never reach the replica's validation and generation.
-            case.body["model"] = "m"
+        # One case in ten keeps what was generated, so that the checks at the door are fuzzed
+        # too. Counted, not drawn: Hypothesis draws small integers far more often than others.
+        if run.ran % 10 != 9:
+            past_the_door(case.body, at_gateway)
         spoil(case.body, data)
-        response = call(case)
+        run.ran += 1
         tally.cases[label] += 1
+        try:
+            response = call(case)
+        except requests.RequestException as exc:
+            # A reset connection or a timeout is this case's failure, not the run's end: raised,
+            # Hypothesis would shrink it and abort every case still to come.
+            tally.statuses[(label, 0)] += 1
+            tally.record(label, 0, f"no answer: {type(exc).__name__}: {exc}", case)
+            return
         tally.statuses[(label, response.status_code)] += 1
+        if 400 <= response.status_code < 500:
+            tally.refused(label, response)
         problem = problem_with(response)
         if problem is not None:  # recorded, not raised: the run goes on to every case
             tally.record(label, response.status_code, problem, case)
 
+    def note(statistics: Any) -> None:
+        run.stopped_because = str(statistics.get("stopped-because", ""))
+
     try:
-        check()
-    except Unsatisfiable:
-        tally.skipped.append(f"{label} ({mode.value}: nothing to vary)")
+        # The statistics are the only place Hypothesis says why it stopped: at max_examples, or
+        # with every distinct case tried (a small space), or on too many rejected draws.
+        with collector.with_value(note):
+            check()
+    except Unsatisfiable as exc:
+        run.stopped_because = f"no case could be generated: {str(exc)[:200]}"
 
 
 def fuzz(
@@ -144,47 +225,99 @@ def fuzz(
     cases: int,
     only: str | None,
     tally: Tally,
+    at_gateway: bool,
 ) -> None:
     session = requests.Session()
 
     def call(case: Any) -> requests.Response:
-        return case.call(base_url=base_url, session=session, headers=headers, timeout=60)
+        # Sent by hand, not with ``case.call``: that sends a request once more when a reused
+        # keep-alive connection is reset before the answer, which hides the very failure this
+        # counts (a server that resets the request after one it failed on).
+        kwargs = case.as_transport_kwargs(base_url=base_url, headers=headers)
+        return session.request(**kwargs, timeout=60)
 
     for result in schema.get_all_operations():
         operation = result.ok()
         if only is not None and only not in operation.label:
             continue
-        varied = any(operation.iter_parameters()) or operation.get_request_payload_content_types()
-        # Nothing to vary: one positive case says all, and there is no negative one.
-        modes = [GenerationMode.POSITIVE, GenerationMode.NEGATIVE][: 2 if varied else 1]
-        for mode in modes:
-            started, before = time.monotonic(), tally.cases[operation.label]
-            run_operation(operation, mode, call, cases // 2, tally)
-            ran = tally.cases[operation.label] - before
+        varied = bool(
+            any(operation.iter_parameters()) or operation.get_request_payload_content_types()
+        )
+        half = cases // 2
+        modes = [(GenerationMode.POSITIVE, half), (GenerationMode.NEGATIVE, cases - half)]
+        if not varied:  # one positive case says all, and there is no negative one
+            modes = [(GenerationMode.POSITIVE, cases)]
+        for mode, requested in modes:
+            run = Run(operation.label, mode.value, varied, requested)
+            tally.runs.append(run)
+            started = time.monotonic()
+            run_operation(operation, mode, call, run, tally, at_gateway)
             elapsed = time.monotonic() - started
-            print(f"  {operation.label} {mode.value}: {ran} cases in {elapsed:.0f} s", flush=True)
+            print(
+                f"  {run.label} {run.mode}: {run.ran} of {run.requested} cases in {elapsed:.0f} s"
+                f" (stopped: {run.stopped_because or 'unknown'})",
+                flush=True,
+            )
 
 
 def answers_normally(base_url: str, headers: dict[str, str]) -> bool:
-    body = {"model": "m", "prompt": "still there?", "max_tokens": 2}
-    r = httpx.post(base_url + "/v1/completions", json=body, headers=headers, timeout=60)
+    body = {"model": SERVED_MODEL, "prompt": "still there?", "max_tokens": 2}
+    try:
+        r = httpx.post(base_url + "/v1/completions", json=body, headers=headers, timeout=60)
+    except httpx.HTTPError:
+        return False
     return r.status_code == 200
+
+
+def unhandled_errors(log: Path) -> list[str]:
+    """The log's lines that tell of an error no handler took."""
+    return [line for line in log.read_text(errors="replace").splitlines() if UNHANDLED.search(line)]
 
 
 def report(name: str, tally: Tally, alive: bool) -> dict[str, Any]:
     print(f"\n{name}: {sum(tally.cases.values())} cases, {sum(tally.failures.values())} failing")
+    asked: Counter[str] = Counter()
+    for run in tally.runs:
+        asked[run.label] += run.requested
     for label, n in sorted(tally.cases.items()):
         statuses = sorted((st, k) for (op, st), k in tally.statuses.items() if op == label)
-        print(f"  {n:6d}  {label}  (status: cases {', '.join(f'{st}: {k}' for st, k in statuses)})")
+        by_status = ", ".join(f"{st}: {k}" for st, k in statuses)
+        print(f"  {n:6d} of {asked[label]:6d} asked  {label}  (status: cases {by_status})")
+    for run in tally.runs:
+        if run.short:
+            print(
+                f"  SHORT: {run.label} {run.mode} ran {run.ran} of {run.requested} cases"
+                f" (stopped: {run.stopped_because or 'unknown'})"
+            )
+        elif run.ran < run.requested and run.takes_input:
+            print(
+                f"  exhausted: {run.label} {run.mode} ran {run.ran} of {run.requested} cases:"
+                " Hypothesis tried every distinct case it can generate"
+            )
+        elif run.ran < run.requested:
+            print(f"  nothing to vary: {run.label} ran {run.ran} case(s)")
+    for (label, status, what), n in tally.refusals.most_common(12):
+        print(f"  refused x{n}: {label} -> {status} on {what}")
     for (label, status, problem), n in tally.failures.most_common():
         print(f"  FAIL x{n}: {label} -> {status}: {problem}")
         print(f"           e.g. body {tally.examples[(label, status, problem)]}")
-    for line in tally.skipped:
-        print(f"  skipped: {line}")
     print(f"  answers a normal request afterwards: {alive}")
     return {
         "cases": dict(tally.cases),
+        "runs": [
+            {
+                "operation": run.label,
+                "mode": run.mode,
+                "takes_input": run.takes_input,
+                "requested": run.requested,
+                "ran": run.ran,
+                "stopped_because": run.stopped_because,
+                "short": run.short,
+            }
+            for run in tally.runs
+        ],
         "statuses": {f"{op} {st}": n for (op, st), n in sorted(tally.statuses.items())},
+        "refusals": {f"{op} {st} {what}": n for (op, st, what), n in tally.refusals.items()},
         "failures": [
             {"operation": op, "status": st, "problem": pr, "count": n}
             for (op, st, pr), n in tally.failures.items()
@@ -242,12 +375,18 @@ def main() -> int:
             tally = Tally()
             print(f"{name} at {url}:", flush=True)
             started = time.monotonic()
-            fuzz(schema, url, headers, args.cases, args.only, tally)
+            fuzz(schema, url, headers, args.cases, args.only, tally, name == "gateway")
             results[name] = report(name, tally, answers_normally(url, headers))
             results[name]["seconds"] = round(time.monotonic() - started)
-        server_errors = "unhandled error" in (work / "replica.log").read_text(errors="replace")
-        results["replica_logged_unhandled_errors"] = server_errors
-        print(f"\nthe replica logged an unhandled error: {server_errors}")
+        # Read while both still run: stopping them logs nothing the cases caused. The replica's
+        # log covers the cases sent through the gateway too.
+        logged: dict[str, list[str]] = {}
+        for name in ["replica", "gateway"][: len(procs)]:
+            logged[name] = unhandled_errors(work / f"{name}.log")
+            print(f"\n{name} logged {len(logged[name])} unhandled-error line(s)")
+            for line in logged[name][:10]:
+                print(f"  {line[:200]}")
+        results["logged_unhandled_errors"] = logged
     finally:
         for proc in reversed(procs):
             stop_process(proc, 20)
@@ -255,7 +394,14 @@ def main() -> int:
         g_log.close()
     if args.json is not None:
         args.json.write_text(json.dumps(results, indent=2))
-    ok = all(not results[t]["failures"] and results[t]["alive"] for t in targets)
+    print(f"logs in {work}")
+    ok = all(
+        not results[t]["failures"]
+        and results[t]["alive"]
+        and not any(run["short"] for run in results[t]["runs"])
+        for t in targets
+    )
+    ok = ok and not any(results["logged_unhandled_errors"].values())
     return 0 if ok else 1
 
 

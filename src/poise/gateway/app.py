@@ -40,6 +40,7 @@ from poise.gateway.response_cache import ResponseCache
 from poise.gateway.shared_verdicts import SharedVerdicts
 from poise.observability.tracing import Tracing, otlp_provider
 from poise.protocol import DEADLINE_HEADER, APIError, deadline_budget_s
+from poise.protocol_body import read_json_body
 from poise.resilience.autoscale import AutoscaleConfig
 from poise.resilience.ratelimit import Charge, Limit
 from poise.resilience.retry import RetryBudget, RetryPolicy
@@ -342,10 +343,10 @@ def create_gateway_app(
 
 
 async def _json(request: Request) -> object:
-    try:
-        return await request.json()
-    except ValueError as exc:
-        raise APIError(400, "the body is not valid JSON") from exc
+    # The proxied routes' strict reader, not Starlette's ``request.json()``: that one nests as
+    # deep as the C stack allows (a RecursionError, a plain-text 500 and a dropped connection)
+    # and takes NaN and lone surrogates; this answers 400 in OpenAI's shape for each.
+    return read_json_body(await request.body())
 
 
 PROXIED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
