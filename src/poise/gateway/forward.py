@@ -128,79 +128,71 @@ class Forwarder:
     ) -> Upstream:
         """The first acceptable upstream response, or an APIError saying why there is none."""
         try:
-            return await self._send(pool, path, body, headers, deadline, stream, affinity, journey)
-        finally:
-            if journey.holds_retry:
-                journey.holds_retry = False
-                self.budget.retry_ended()
-
-    async def _send(
-        self,
-        pool: Pool,
-        path: str,
-        body: bytes,
-        headers: dict[str, str],
-        deadline: float,
-        stream: bool,
-        affinity: bytes | None,
-        journey: Attempt,
-    ) -> Upstream:
-        while True:
-            # After a refusal for load, none of those that refused; otherwise not the last one.
-            tried = journey.tried if journey.overloaded else journey.tried[-1:]
-            backend = pool.pick(affinity, frozenset(tried))
-            permit = backend.breaker.acquire() if backend is not None else None
-            if backend is None or permit is None:
-                why = f" (last error: {journey.last_error})" if journey.last_error else ""
-                raise APIError(
-                    503, f"no healthy backend for model {pool.model!r}{why}", code="no_backend"
+            while True:
+                # After a refusal for load, none of those that refused; otherwise not the last one.
+                tried = journey.tried if journey.overloaded else journey.tried[-1:]
+                backend = pool.pick(affinity, frozenset(tried))
+                permit = backend.breaker.acquire() if backend is not None else None
+                if backend is None or permit is None:
+                    why = f" (last error: {journey.last_error})" if journey.last_error else ""
+                    raise APIError(
+                        503, f"no healthy backend for model {pool.model!r}{why}", code="no_backend"
+                    )
+                journey.tried.append(backend)
+                left = deadline - self.clock()
+                if left <= 0:
+                    backend.breaker.release(permit)
+                    raise APIError(
+                        504, "the request's deadline passed at the gateway", code="timeout"
+                    )
+                upstream, retry_after = await self._attempt(
+                    pool, backend, permit, path, body, headers, left, stream, journey
                 )
-            journey.tried.append(backend)
-            left = deadline - self.clock()
-            if left <= 0:
-                backend.breaker.release(permit)
-                raise APIError(504, "the request's deadline passed at the gateway", code="timeout")
-            upstream, retry_after = await self._attempt(
-                pool, backend, permit, path, body, headers, left, stream, journey
-            )
-            if journey.holds_retry:  # the retry has its answer: it is no longer in flight
-                journey.holds_retry = False
-                self.budget.retry_ended()
-            if upstream is not None:
-                return upstream
-            if journey.cut_off:
-                # Moved off a backend the health checks found dead: at once, and neither a
-                # retry of the policy's nor the budget's (no storm: one move per attempt cut).
-                journey.cut_off = False
-                continue
-            # Not acceptable and nothing sent yet: retry if the policy, deadline and budget allow.
-            if journey.overloaded:
-                # A backend that refused for load said so at once, so that the request can go
-                # to another now. When every backend has refused, the client hears it now too,
-                # with Retry-After: waiting here would only spend its time-to-first-token.
-                untried = [b for b in pool.eligible() if b not in journey.tried]
-                if not untried:
+                self._retry_answered(journey)
+                if upstream is not None:
+                    return upstream
+                if journey.cut_off:
+                    # Moved off a backend the health checks found dead: at once, and neither a
+                    # retry of the policy's nor the budget's (no storm: one move per attempt cut).
+                    journey.cut_off = False
+                    continue
+                # Not acceptable and nothing sent yet: retry if policy, deadline and budget allow.
+                if journey.overloaded:
+                    # A backend that refused for load said so at once, so that the request can go
+                    # to another now. When every backend has refused, the client hears it now too,
+                    # with Retry-After: waiting here would only spend its time-to-first-token.
+                    untried = [b for b in pool.eligible() if b not in journey.tried]
+                    if not untried:
+                        raise _give_up(journey, retry_after)
+                delay = self.policy.delay_s(
+                    journey.retries,
+                    self.rng,
+                    None if journey.overloaded else retry_after,
+                    deadline - self.clock(),
+                )
+                if delay is None:
                     raise _give_up(journey, retry_after)
-            delay = self.policy.delay_s(
-                journey.retries,
-                self.rng,
-                None if journey.overloaded else retry_after,
-                deadline - self.clock(),
-            )
-            if delay is None:
-                raise _give_up(journey, retry_after)
-            journey.retries += 1
-            if journey.overloaded:
-                # To another backend, which has not refused: no backoff owed, and no share of
-                # the budget. A refusal costs its backend next to nothing, and a request is
-                # never sent back to one that refused it, so moves cannot become a storm.
-                continue
-            if not self.budget.try_retry():
-                journey.retries -= 1
-                self.on_budget_exhausted()
-                raise _give_up(journey, retry_after)
-            journey.holds_retry = True
-            await asyncio.sleep(delay)
+                journey.retries += 1
+                if journey.overloaded:
+                    # To another backend, which has not refused: no backoff owed, and no share of
+                    # the budget. A refusal costs its backend next to nothing, and a request is
+                    # never sent back to one that refused it, so moves cannot become a storm.
+                    continue
+                if not self.budget.try_retry():
+                    journey.retries -= 1
+                    self.on_budget_exhausted()
+                    raise _give_up(journey, retry_after)
+                journey.holds_retry = True
+                await asyncio.sleep(delay)
+        finally:
+            self._retry_answered(journey)
+
+    def _retry_answered(self, journey: Attempt) -> None:
+        """The retry's attempt has its answer (or the request is over): it is no longer in
+        flight."""
+        if journey.holds_retry:
+            journey.holds_retry = False
+            self.budget.retry_ended()
 
     def _ran_out(self, data: bytes, started: float, left_s: float) -> bool:
         """Whether a backend's 504 is the request's deadline passing there: it says so, or too
