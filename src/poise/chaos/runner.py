@@ -171,7 +171,9 @@ def _local(
 
 
 def _wait_routable(deployed: _Deployed, replicas: int, api_key: str | None) -> None:
-    """Until the gateway routes to every replica (or to something, remote without URLs)."""
+    """Until the gateway routes to every replica (or to something, remote without URLs), each
+    seen serving by an active check: a listed backend is trusted before its first check, and
+    load sent to a replica still loading its model fails and gets it ejected."""
     headers = auth_headers(api_key)
     end = time.monotonic() + 180
     while time.monotonic() < end:
@@ -179,7 +181,10 @@ def _wait_routable(deployed: _Deployed, replicas: int, api_key: str | None) -> N
             state = httpx.get(
                 deployed.gateway_url + "/debug/state", headers=headers, timeout=2
             ).json()
-            eligible = sum(len(m["trusted"]) for m in state["models"].values())
+            eligible = sum(
+                sum(1 for b in m["backends"] if b["checked"] and b["url"] in m["trusted"])
+                for m in state["models"].values()
+            )
             if eligible >= max(1, replicas):
                 return
         except (httpx.HTTPError, ValueError, KeyError, TypeError):

@@ -193,12 +193,14 @@ async def _handle(
     asked = data.get("priority")
     # A client may lower its own importance below its key's (0 without a key), never raise
     # it: the header is the floor a poise replica holds the body's priority to.
-    if isinstance(asked, int) and not isinstance(asked, bool) and asked > priority:
+    is_int = isinstance(asked, int) and not isinstance(asked, bool)
+    if is_int and asked > priority:
         priority = asked
     headers["x-priority"] = str(priority)
-    if "priority" in data and asked != priority:
+    if is_int and asked != priority:
         # The body says it too, for a backend that reads only the body (vLLM). A body without
-        # one is left so: adding the field would be refused by a vLLM not scheduling by it.
+        # one is left so (a vLLM not scheduling by priority refuses the field), and one that is
+        # no integer goes on as it came, for the backend to refuse.
         data = {**data, "priority": priority}
         raw = json.dumps(data).encode()
     record.priority = priority
