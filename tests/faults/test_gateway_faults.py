@@ -105,10 +105,14 @@ def test_slow_replica_trips_the_slow_call_breaker(gateway, pair):
     """(c) A replica made slow by fault injection: the slow-call rate opens its breaker."""
     slow, fast = pair
     g = gateway(
+        # The health checks' generation probe must not take it out first: a one-token probe
+        # takes a step or two, 0.5-0.8 s on the slow replica.
+        health={**FAST_HEALTH, "timeout_s": 3.0},
         breaker={
-            # Slow: over 0.3 s plus 0.1 s a token (the fast replica takes ~20 ms a token).
-            "slow_call_s": 0.3,
-            "slow_token_s": 0.1,
+            # Slow: over 0.5 s plus 0.15 s a token. The fast replica takes 20-100 ms a token
+            # (more while other processes share the two cores); the slow one 400 ms.
+            "slow_call_s": 0.5,
+            "slow_token_s": 0.15,
             "slow_call_rate": 0.5,
             "failure_rate": 0.9,
             "min_calls": 3,
@@ -116,7 +120,7 @@ def test_slow_replica_trips_the_slow_call_breaker(gateway, pair):
             "open_s": 30.0,
         },
     )
-    slow.faults(step_delay_s=0.25)  # 4 tokens (5 steps): ~1.25 s, past the 0.7 s allowed
+    slow.faults(step_delay_s=0.4)  # 4 tokens (5 steps): ~2 s, past the 1.1 s allowed
     for _ in range(16):
         status, _, _ = post(g, SMALL)
         assert status == 200

@@ -114,7 +114,11 @@ def until(predicate: Callable[[], bool], timeout: float = 5.0) -> bool:
 
 
 def eligible(client: TestClient, headers: dict[str, str] | None = None) -> list[str]:
-    return list(client.get("/debug/state", headers=headers).json()["models"]["m"]["eligible"])
+    """The backends routed to that an active check has seen serving (a listed backend is
+    eligible before its first check)."""
+    model = client.get("/debug/state", headers=headers).json()["models"]["m"]
+    checked = {b["url"] for b in model["backends"] if b["checked"]}
+    return [url for url in model["eligible"] if url in checked]
 
 
 def complete(client: TestClient) -> httpx.Response:
