@@ -14,6 +14,11 @@ is the request's 504, not the backend's failure. A 4xx other than 429 is the cli
 through as it is. The remaining deadline travels with each attempt as ``X-Request-Deadline-Ms``
 so that the backend drops work nobody will wait for.
 
+That is for the completions routes, where every attempt may be repeated. A ``Call`` says how
+another route goes: its method, and whether it may be sent again once a backend has received it;
+one that may not is retried only when no connection was made, and otherwise the backend's answer
+(a 5xx, a 429) is the client's and a failure after sending is a 502.
+
 A stream is committed once its first chunk has arrived: the client's 200 and headers are sent
 only then, so a backend that fails before producing anything is retried invisibly. What happens
 after that is ``stream``'s business.
@@ -30,16 +35,15 @@ import re
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import aiohttp
 from opentelemetry import trace
 
+from poise.gateway.outcome import CutOff, Outcome
 from poise.gateway.pool import Backend, Pool
 from poise.observability.tracing import Tracing
 from poise.protocol import DEADLINE_HEADER, APIError
-from poise.resilience.breaker import CallTiming, Permit
-from poise.resilience.latency import StreamTimer
+from poise.resilience.breaker import Permit
 from poise.resilience.retry import RetryBudget, RetryPolicy
 
 log = logging.getLogger("poise.gateway")
@@ -62,6 +66,27 @@ class Attempt:
     cut_off: bool = False  # the last attempt was moved off a backend found dead
     holds_retry: bool = False  # a retry slot of the budget, until the retried attempt answers
     span: trace.Span | None = None  # the request's span: each attempt is a child of it
+
+
+@dataclass(frozen=True, slots=True)
+class Call:
+    """How a request goes to a backend besides its path and body. The defaults are the
+    completions routes'; a passthrough route (``passthrough``) sets its own."""
+
+    method: str = "POST"
+    # May be sent again once a backend has received it (after a 5xx, a 429, a timeout, a
+    # dropped connection, a cut-off): generation and other pure computation, never a call
+    # that may have changed state. One that may not is sent again only when it never left
+    # (the connection was refused or could not be made), and a backend's answer, whatever
+    # its status, is the client's.
+    idempotent: bool = True
+    rename: bool = True  # the body is JSON naming the model, renamed for a backend's own name
+    # A 200 is relayed as a stream when its Content-Type says text/event-stream; when False,
+    # when the request asked for one (``stream``).
+    stream_by_type: bool = False
+
+
+COMPLETION = Call()
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,6 +150,7 @@ class Forwarder:
         stream: bool,
         affinity: bytes | None,
         journey: Attempt,
+        call: Call = COMPLETION,
     ) -> Upstream:
         """The first acceptable upstream response, or an APIError saying why there is none."""
         try:
@@ -146,7 +172,7 @@ class Forwarder:
                         504, "the request's deadline passed at the gateway", code="timeout"
                     )
                 upstream, retry_after = await self._attempt(
-                    pool, backend, permit, path, body, headers, left, stream, journey
+                    pool, backend, permit, path, body, headers, left, stream, journey, call
                 )
                 self._retry_answered(journey)
                 if upstream is not None:
@@ -154,7 +180,10 @@ class Forwarder:
                 if journey.cut_off:
                     # Moved off a backend the health checks found dead: at once, and neither a
                     # retry of the policy's nor the budget's (no storm: one move per attempt cut).
+                    # Not a call that the dead backend may have acted on.
                     journey.cut_off = False
+                    if not call.idempotent:
+                        raise _give_up(journey)
                     continue
                 # Not acceptable and nothing sent yet: retry if policy, deadline and budget allow.
                 if journey.overloaded:
@@ -211,10 +240,11 @@ class Forwarder:
         left_s: float,
         stream: bool,
         journey: Attempt,
+        call: Call,
     ) -> tuple[Upstream | None, float | None]:
         """(upstream, None) when acceptable; (None, retry_after) when worth retrying."""
         journey.overloaded = False
-        if backend.settings.model is not None:
+        if backend.settings.model is not None and call.rename:
             body = _renamed(body, backend.settings.model)
         sent_headers = {**headers, DEADLINE_HEADER: str(max(1, int(left_s * 1000)))}
         if backend.settings.api_key:
@@ -248,31 +278,41 @@ class Forwarder:
         # A stream's first token and the gaps after it time the backend for routing; a whole
         # answer's duration says more about its length than about the backend.
         timer = pool.latency.stream(backend.url) if stream else None
-        outcome = Outcome(self, pool, backend, permit, started, span, timer)
+        outcome = Outcome(self.clock, self.on_outcome, pool, backend, permit, started, span, timer)
         response: aiohttp.ClientResponse | None = None
-        cut = _CutOff(asyncio.current_task())
+        cut = CutOff(asyncio.current_task())
         backend.movable[cut] = cut.fire
         try:
             async with asyncio.timeout(left_s):
-                response = await self.session.post(
-                    backend.url + path, data=body, headers=sent_headers, timeout=timeout
+                response = await self.session.request(
+                    call.method,
+                    backend.url + path,
+                    data=body or None,
+                    headers=sent_headers,
+                    timeout=timeout,
+                    # A body sent without a type goes without one, as it came.
+                    skip_auto_headers=None if "content-type" in headers else ("Content-Type",),
                 )
                 status = response.status
-                if status != 200 or not stream:
+                streams = stream
+                if call.stream_by_type:
+                    streams = response.content_type == "text/event-stream"
+                if status != 200 or not streams:
                     data = await response.read()
                     cut.armed = False
                     response.release()
-                    journey.overloaded = status == 429
+                    journey.overloaded = status == 429 and call.idempotent
                     if status == 504 and self._ran_out(data, started, left_s):
                         # The backend kept the request to its deadline (a poise replica
                         # honours the deadline header and says so): the request's 504.
                         outcome.done("deadline")
                         raise APIError(504, f"{backend.url}: {_message(data)}", code="timeout")
-                    if status in RETRYABLE_STATUS:
+                    if status in RETRYABLE_STATUS and call.idempotent:
                         outcome.done("overloaded" if status == 429 else "error")
                         journey.last_error = f"{status} from {backend.url}: {_message(data)}"
                         return None, _retry_after(response)
-                    outcome.done("ok" if status < 500 else "error", output_tokens(data))
+                    verdict = "overloaded" if status == 429 else "ok" if status < 500 else "error"
+                    outcome.done(verdict, output_tokens(data))
                     return Upstream(status, _pass_headers(response), data, backend=backend), None
                 chunks = response.content.iter_any()
                 first = await anext(chunks, b"")
@@ -307,6 +347,8 @@ class Forwarder:
                 ) from None
             outcome.done("timeout" if isinstance(exc, TimeoutError) else "connect_error")
             journey.last_error = f"{type(exc).__name__} from {backend.url}: {exc}"
+            if not call.idempotent and not _never_sent(exc):
+                raise _give_up(journey) from None
             return None, None
         except asyncio.CancelledError:
             if response is not None:
@@ -329,97 +371,6 @@ class Forwarder:
             backend.movable.pop(cut, None)
 
 
-class _CutOff:
-    """How an attempt still waiting for its backend's answer is cut off when that backend is
-    found dead: its task is cancelled, and the attempt tells that cancellation from the
-    client's by ``fired``. Armed only while the attempt awaits the backend, so a cancellation
-    always lands inside the attempt's own ``try``."""
-
-    __slots__ = ("armed", "fired", "task")
-
-    def __init__(self, task: asyncio.Task[Any] | None) -> None:
-        self.task = task
-        self.armed = task is not None
-        self.fired = False
-
-    def fire(self) -> None:
-        if self.armed and self.task is not None:
-            self.armed = False
-            self.fired = True
-            self.task.cancel()
-
-
-class Outcome:
-    """Closes one attempt exactly once: in-flight count, breaker, outlier detection, metrics."""
-
-    def __init__(
-        self,
-        fwd: Forwarder,
-        pool: Pool,
-        backend: Backend,
-        permit: Permit,
-        started: float,
-        span: trace.Span | None = None,
-        timer: StreamTimer | None = None,
-    ) -> None:
-        self.fwd, self.pool, self.backend, self.started = fwd, pool, backend, started
-        self.permit = permit  # the breaker's, given back exactly once
-        self.span = span  # the attempt's; it lasts as long as the attempt, stream included
-        self.timer = timer  # the stream's, fed by the relay
-        self.closed = False
-
-    def _end_span(self, outcome: str) -> None:
-        if self.span is not None:
-            self.span.set_attribute("poise.outcome", outcome)
-            if outcome not in ("ok", "abandoned"):
-                self.span.set_status(trace.StatusCode.ERROR, outcome)
-            self.span.end()
-
-    def done(self, outcome: str, tokens: int | None = None) -> None:
-        """``tokens``: the output tokens of a whole (non-streamed) answer, when it says."""
-        if self.closed:
-            return
-        self.closed = True
-        self._end_span(outcome)
-        now = self.fwd.clock()
-        elapsed = now - self.started
-        if outcome == "deadline":
-            # Silent until the request's time ran out: no failure, but a slow call if that
-            # silence reached slow_call_s (a hung backend must not escape every verdict).
-            timing = CallTiming(elapsed, elapsed, None)
-        elif self.timer is not None:
-            # A stream: only the time spent waiting on the backend's reads is its own.
-            backend_s, longest_wait = self.timer.waits(now)
-            timing = CallTiming(backend_s, longest_wait, self.timer.count)
-        else:
-            # A whole answer is silent until complete: only its time per token can tell, and
-            # only when it says how many tokens it has.
-            timing = CallTiming(elapsed, 0.0, tokens)
-        if self.timer is not None:
-            self.timer.close()
-        self.backend.inflight -= 1
-        # 429 ("overloaded") is a busy backend, not a broken one: it does not count against it;
-        # nor does a request whose own deadline ran out while the backend worked on it.
-        failed = outcome in ("error", "timeout", "connect_error")
-        if outcome == "overloaded":
-            self.backend.breaker.release(self.permit)
-        else:
-            self.backend.breaker.record(self.permit, not failed, timing)
-        if outcome != "deadline":
-            self.pool.outliers.record(self.backend.url, not failed)
-        self.fwd.on_outcome(self.backend, outcome)
-
-    def abandon(self) -> None:
-        if self.closed:
-            return
-        self.closed = True
-        self._end_span("abandoned")
-        if self.timer is not None:
-            self.timer.close()
-        self.backend.inflight -= 1
-        self.backend.breaker.release(self.permit)
-
-
 def _give_up(journey: Attempt, retry_after: float | None = None) -> APIError:
     why = journey.last_error or "the backends failed"
     if journey.overloaded:
@@ -435,6 +386,11 @@ def _give_up(journey: Attempt, retry_after: float | None = None) -> APIError:
         f"upstream failed after {len(journey.tried)} attempt(s): {why}",
         code="upstream_error",
     )
+
+
+def _never_sent(exc: BaseException) -> bool:
+    """No connection was made: the backend cannot have seen the request."""
+    return isinstance(exc, (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError))
 
 
 def output_tokens(body: bytes) -> int | None:
