@@ -19,6 +19,7 @@ from poise.engine.errors import InvalidRequestError
 from poise.engine.faults import FaultInjector
 from poise.engine.forecast import IDLE_FORECAST, SlotForecast, SlotForecaster
 from poise.engine.generation_config import load_generation_config
+from poise.engine.guided import GuidedMatchers
 from poise.engine.intake import IntakeLimits, RequestFactory, RequestOptions
 from poise.engine.kernels import load_paged_decode_attention
 from poise.engine.kv_cache import KVCacheManager, kv_bytes_per_token, num_blocks_for_budget
@@ -26,7 +27,7 @@ from poise.engine.models.checkpoint import load_tokenizer, open_checkpoint
 from poise.engine.models.loader import load_model
 from poise.engine.outputs import CompletionOutput, EngineStats, RequestOutput
 from poise.engine.request import Request, RequestStatus
-from poise.engine.runner import ModelRunner
+from poise.engine.runner import ModelRunner, RunnerOutput
 from poise.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from poise.engine.step_budget import StepBudget, StepBudgetConfig
 from poise.engine.tokenizer import IncrementalDetokenizer
@@ -115,6 +116,7 @@ class LLMEngine:
             self.eos_token_ids,
             self.config.seed,
             load_paged_decode_attention() if self.config.native_kernels else None,
+            GuidedMatchers(self.tokenizer.to_json(), mc.vocab_size, self.eos_token_ids),
         )
         self.limits = IntakeLimits(
             self.max_model_len,
@@ -149,8 +151,10 @@ class LLMEngine:
         request.cache_salt = self.model.prefix_cache_salt(
             request.num_prompt_tokens, request.num_tokens
         )
-        self.scheduler.add_request(request)
         sp = request.sampling
+        if sp.guided is not None and self.runner.guided is not None:
+            self.runner.guided.start(request.request_id, sp.guided, request.output_token_ids)
+        self.scheduler.add_request(request)
         detok = IncrementalDetokenizer(
             self.tokenizer,
             request.prompt_token_ids,
@@ -223,6 +227,7 @@ class LLMEngine:
                 now = self.clock()
                 for request in advanced:
                     self._on_token(request, result.sampled[request.request_id].logprobs, now)
+                self._end_guided(advanced, result)
                 self._recompute_crossed(advanced)
         else:
             self.runner.forget(out.finished_request_ids)
@@ -273,6 +278,21 @@ class LLMEngine:
             ):
                 salt = self.model.prefix_cache_salt(request.num_prompt_tokens, request.num_tokens)
                 self.scheduler.recompute(request, salt)
+
+    def _end_guided(self, advanced: list[Request], result: RunnerOutput) -> None:
+        """A complete grammar ends its request as a stop; a failed matcher as an error."""
+        if not result.guided_ended and not result.guided_failed:
+            return
+        for request in advanced:
+            rid = request.request_id
+            if request.is_finished:
+                continue
+            if rid in result.guided_failed:
+                self.scheduler.finish_request(
+                    rid, RequestStatus.FINISHED_ERROR, result.guided_failed[rid]
+                )
+            elif rid in result.guided_ended:
+                self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED)
 
     def _on_token(self, request: Request, logprobs: dict[int, float] | None, now: float) -> None:
         tracked = self._tracked[request.request_id]

@@ -102,6 +102,12 @@ class RequestFactory:
                 )
         if not ids:
             raise InvalidRequestError("the prompt is empty", param="prompt")
+        if sampling.logit_bias and max(sampling.logit_bias) >= lim.vocab_size:
+            raise InvalidRequestError(
+                f"logit_bias names token {max(sampling.logit_bias)}, which this model's "
+                f"vocabulary of {lim.vocab_size} does not have",
+                param="logit_bias",
+            )
         room = lim.max_model_len - len(ids)
         if room < 1:
             raise InvalidRequestError(

@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass, field
 
 from poise.engine.errors import InvalidRequestError
+from poise.engine.structured import GuidedDecoding
 
 
 class RequestStatus(enum.IntEnum):
@@ -74,6 +75,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     min_tokens: int = 0
     include_stop_str_in_output: bool = False
+    # OpenAI's: added to a token's logit before sampling (in [-100, 100]; -100 bans it).
+    logit_bias: dict[int, float] | None = None
+    guided: GuidedDecoding | None = None  # what the output must match (structured output)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -116,6 +120,14 @@ class SamplingParams:
             raise bad("stop", "must be non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):  # type: ignore[union-attr]
             raise bad("stop_token_ids", "must be non-negative integers")
+        for token, bias in (self.logit_bias or {}).items():
+            if not isinstance(token, int) or token < 0:
+                raise bad("logit_bias", f"keys must be token ids, got {token!r}")
+            if not math.isfinite(bias) or not -100.0 <= bias <= 100.0:
+                raise bad("logit_bias", f"values must be in [-100, 100], got {bias}")
+        if self.guided is not None and self.min_tokens > 0:
+            # Ending may be the only thing the grammar allows; min_tokens would forbid it.
+            raise bad("min_tokens", "cannot be combined with structured output")
 
     @property
     def greedy(self) -> bool:

@@ -11,10 +11,11 @@ cut into buckets of ``DECODE_BUCKET`` so each bucket pads only to its own longes
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from poise.engine.guided import GuidedMatchers, StepMasks
 from poise.engine.kernels import PagedDecodeAttention
 from poise.engine.models.attention import (
     AttentionMetadata,
@@ -32,6 +33,8 @@ DECODE_BUCKET = 16
 @dataclass(frozen=True, slots=True)
 class RunnerOutput:
     sampled: dict[str, Sampled]  # request id -> its new token, for sequences that sampled
+    guided_ended: frozenset[str] = frozenset()  # their grammar is complete: they stop
+    guided_failed: dict[str, str] = field(default_factory=dict)  # request id -> why
 
 
 class ModelRunner:
@@ -43,8 +46,10 @@ class ModelRunner:
         eos_token_ids: frozenset[int],
         seed: int = 0,
         decode_kernel: PagedDecodeAttention | None = None,
+        guided: GuidedMatchers | None = None,
     ) -> None:
         self.model = model
+        self.guided = guided
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.block_size = block_size
@@ -81,6 +86,8 @@ class ModelRunner:
     def forget(self, request_ids: list[str]) -> None:
         for rid in request_ids:
             self._generators.pop(rid, None)
+        if self.guided is not None:
+            self.guided.forget(request_ids)
 
     def _slots(self, table: list[int], start: int, end: int) -> torch.Tensor:
         pos = torch.arange(start, end)
@@ -219,11 +226,35 @@ class ModelRunner:
         input_ids = torch.tensor(
             [t for s in ordered for t in s.token_ids], dtype=torch.long, device=self.device
         )
-        logits = self.model(input_ids, meta, self.kv_caches)
         sampling = [s for s in decodes if s.sample] + [s for s in prefills if s.sample]
+        # The grammar masks are computed in the worker thread while the forward pass runs.
+        pending = None
+        if self.guided is not None:
+            pending = self.guided.begin_masks([(i, s.request_id) for i, s in enumerate(sampling)])
+        logits = self.model(input_ids, meta, self.kv_caches)
+        masks = StepMasks() if pending is None else pending.result()
         rows = [
-            SampleRow(s.sampling, s.prompt_token_ids, s.output_token_ids, self._generator(s))
-            for s in sampling
+            SampleRow(
+                s.sampling,
+                s.prompt_token_ids,
+                s.output_token_ids,
+                self._generator(s),
+                masks.allowed.get(i),
+            )
+            for i, s in enumerate(sampling)
         ]
         results = sample(logits.cpu(), rows, self.eos)
-        return RunnerOutput({s.request_id: r for s, r in zip(sampling, results, strict=True)})
+        sampled = {s.request_id: r for s, r in zip(sampling, results, strict=True)}
+        if pending is None:
+            return RunnerOutput(sampled)
+        assert self.guided is not None
+        ended, failed = set(), dict(masks.failed)
+        for rid, result in sampled.items():
+            if rid in failed:
+                continue
+            verdict = self.guided.consume(rid, result.token_id)
+            if verdict == "ended":
+                ended.add(rid)
+            elif verdict is not None:
+                failed[rid] = verdict
+        return RunnerOutput(sampled, frozenset(ended), failed)

@@ -5,8 +5,9 @@ seeded requests own a ``torch.Generator`` seeded once, so the same seed and inpu
 tokens whatever else shares the batch; unseeded ones draw from the runner's generator.
 Logprobs are those of the model's raw distribution, before penalties and temperature.
 
-Each row's logits go through the steps in vLLM's order: stop tokens banned before min_tokens,
-then the penalties (repetition over prompt and output, frequency, presence), then for sampled
+Each row's logits go through the steps in vLLM's order: the grammar's mask (structured
+output), the logit bias, stop tokens banned before min_tokens, then the penalties (repetition
+over prompt and output, frequency, presence), then for sampled
 rows temperature, min_p, top-k and top-p. Greedy rows take the argmax after the penalties.
 """
 
@@ -26,6 +27,7 @@ class SampleRow:
     prompt_token_ids: list[int]  # read only; the repetition penalty covers them
     output_token_ids: list[int]
     generator: torch.Generator
+    allowed: torch.Tensor | None = None  # structured output: the tokens its grammar allows
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +54,14 @@ def _apply_penalties(
         logits.dtype
     )
     logits -= sp.frequency_penalty * counts + sp.presence_penalty * (counts > 0).to(logits.dtype)
+
+
+def _add_bias(logits: torch.Tensor, bias: dict[int, float]) -> None:
+    """OpenAI's logit_bias, added to the logits; -100 bans a token, as OpenAI's does in effect."""
+    vocab = logits.shape[-1]
+    for token, value in bias.items():
+        if token < vocab:
+            logits[token] = float("-inf") if value <= -100.0 else logits[token] + value
 
 
 def _finite(logits: torch.Tensor) -> torch.Tensor:
@@ -106,11 +116,17 @@ def sample(logits: torch.Tensor, rows: Sequence[SampleRow], eos: frozenset[int])
         or r.sampling.frequency_penalty
         or r.sampling.repetition_penalty != 1.0
         or len(r.output_token_ids) < r.sampling.min_tokens
+        or r.allowed is not None
+        or r.sampling.logit_bias
     ]
     if needs_processing:
         processed = logits.clone()
         for i in needs_processing:
             row = rows[i]
+            if row.allowed is not None:
+                processed[i].masked_fill_(~row.allowed, float("-inf"))
+            if row.sampling.logit_bias:
+                _add_bias(processed[i], row.sampling.logit_bias)
             _mask_stops(processed[i], row.sampling, row.output_token_ids, eos)
             _apply_penalties(processed[i], row.sampling, row.prompt_token_ids, row.output_token_ids)
             processed[i] = _finite(processed[i])

@@ -119,6 +119,13 @@ class Tokenizer:
         """The template a request that names none gets."""
         return self.chat_templates.default
 
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    def to_json(self) -> str:
+        """The built tokenizer as tokenizer.json text (for the grammar engine's own copy)."""
+        return str(self._tok.to_str())
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 

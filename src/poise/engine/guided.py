@@ -1,0 +1,132 @@
+"""The engine core's side of structured output: a grammar matcher per constrained request.
+
+A matcher is built in a worker thread when its request is added, from a template per grammar
+(deep copies are microseconds; a first build of a large grammar can take longer, and never in
+the step loop), and it first consumes the tokens its request already has, so a request resumed
+from another replica's tokens, or computed again after preemption, goes on from the same parser
+state. Each step the masks of the batch's constrained rows are computed by llguidance's parallel
+executor in the same worker thread while the model's forward pass runs, and applied to the
+logits before sampling; after sampling each matcher consumes its token.
+
+A matcher that fails (its grammar exceeds llguidance's limits, or it was fed a token it does not
+allow) fails its request with the reason, never the step: the other rows sample as usual.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from poise.engine.structured import GuidedDecoding
+
+if TYPE_CHECKING:
+    from llguidance import LLExecutor, LLMatcher, LLTokenizer
+
+_TEMPLATES = 64
+_BITS = torch.arange(32, dtype=torch.int32)
+
+
+@dataclass(slots=True)
+class StepMasks:
+    """Allowed tokens for the step's constrained rows, by row index; failed matchers by id."""
+
+    allowed: dict[int, torch.Tensor] = field(default_factory=dict)
+    failed: dict[str, str] = field(default_factory=dict)
+
+
+class GuidedMatchers:
+    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: frozenset[int]):
+        self._tokenizer_json = tokenizer_json
+        self.vocab_size = vocab_size
+        self._eos = sorted(t for t in eos_token_ids if t < vocab_size)
+        # One worker: builds and mask computations run in submission order, so a request's
+        # matcher is always built before the first mask that needs it.
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="poise-grammar")
+        self._tokenizer: LLTokenizer | None = None
+        self._executor: LLExecutor | None = None
+        self._templates: OrderedDict[str, LLMatcher] = OrderedDict()
+        self._matchers: dict[str, Future[LLMatcher]] = {}
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._matchers
+
+    def start(self, request_id: str, guided: GuidedDecoding, produced: list[int]) -> None:
+        self._matchers[request_id] = self._pool.submit(self._build, guided.grammar, list(produced))
+
+    def forget(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            self._matchers.pop(rid, None)
+
+    def _build(self, grammar: str, produced: list[int]) -> LLMatcher:
+        from llguidance import LLExecutor, LLMatcher, LLTokenizer
+
+        if self._tokenizer is None:
+            # Built on the first constrained request: a replica that never gets one pays nothing.
+            self._tokenizer = LLTokenizer(
+                self._tokenizer_json, n_vocab=self.vocab_size, eos_token=self._eos or None
+            )
+            self._executor = LLExecutor()
+        template = self._templates.get(grammar)
+        if template is None:
+            template = LLMatcher(self._tokenizer, grammar, log_level=0)
+            self._templates[grammar] = template
+            if len(self._templates) > _TEMPLATES:
+                self._templates.popitem(last=False)
+        else:
+            self._templates.move_to_end(grammar)
+        matcher = template.deep_copy()
+        if produced:
+            matcher.consume_tokens(produced)  # a refused token leaves it failed: reported
+        return matcher
+
+    def begin_masks(self, rows: list[tuple[int, str]]) -> Future[StepMasks] | None:
+        """Masks for (row index, request id) pairs, computed in the worker; None if none is
+        constrained. Call ``consume`` only after the future is done."""
+        wanted = [(i, rid) for i, rid in rows if rid in self._matchers]
+        if not wanted:
+            return None
+        return self._pool.submit(self._fill, [(i, self._matchers[rid], rid) for i, rid in wanted])
+
+    def _fill(self, rows: list[tuple[int, Future[LLMatcher], str]]) -> StepMasks:
+        from llguidance.torch import fill_next_token_bitmask_par
+
+        masks = StepMasks()
+        live: list[tuple[LLMatcher, int]] = []
+        order: list[int] = []
+        for i, future, rid in rows:
+            matcher = future.result()  # built earlier by this same worker
+            if matcher.is_error():
+                masks.failed[rid] = f"structured output failed: {matcher.get_error()}"
+                continue
+            live.append((matcher, len(order)))
+            order.append(i)
+        if not live:
+            return masks
+        words = (self.vocab_size + 31) // 32
+        bitmask = torch.full((len(order), words), -1, dtype=torch.int32)
+        assert self._executor is not None
+        fill_next_token_bitmask_par(self._executor, live, bitmask)
+        allowed = ((bitmask.unsqueeze(-1) >> _BITS) & 1).bool().view(len(order), -1)
+        for row, i in enumerate(order):
+            masks.allowed[i] = allowed[row, : self.vocab_size]
+        return masks
+
+    def consume(self, request_id: str, token_id: int) -> str | None:
+        """Feed the sampled token: None to go on, ``"ended"`` when the grammar is complete, or
+        why the matcher failed."""
+        future = self._matchers.get(request_id)
+        if future is None:
+            return None
+        matcher = future.result()
+        if matcher.is_error():
+            return f"structured output failed: {matcher.get_error()}"
+        if not matcher.consume_token(token_id):
+            return f"structured output failed: {matcher.get_error()}"
+        return "ended" if matcher.is_stopped() else None
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
