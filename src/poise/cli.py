@@ -134,6 +134,11 @@ def _add_serve_flags(p: argparse.ArgumentParser) -> None:
         default=None,
         help="let chat requests bring a chat_template of their own (it runs on the server)",
     )
+    p.add_argument(
+        "--tool-call-parser",
+        choices=["hermes", "llama3_json", "mistral"],
+        help="how tool_choice auto reads calls in answers (default: from the chat template)",
+    )
     p.add_argument("--engine-niceness", type=int, help="nice value added to engine threads")
     p.add_argument(
         "--engine-in-thread",

@@ -54,6 +54,9 @@ class ServerSettings(BaseModel):
     # A chat request may name one of the model's templates; a whole template of its own runs
     # code of the client's on the server, so it needs this (vLLM's flag of the same name).
     trust_request_chat_template: bool = False
+    # How tool_choice "auto" reads calls in the model's answers (vLLM's flag of the same name);
+    # None: from the chat template's own format, and a 400 for tools when it has none known.
+    tool_call_parser: Literal["hermes", "llama3_json", "mistral"] | None = None
     # Added to the engine's nice value so that HTTP work preempts its compute threads (0: off).
     # Nice only matters while something else wants the core, and then answering should win.
     engine_niceness: int = Field(default=10, ge=0, le=19)

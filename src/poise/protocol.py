@@ -142,6 +142,34 @@ class ResumeState(BaseModel):
     created: int | None = None
 
 
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    # ``schema`` shadows a BaseModel attribute: read it as ``json_schema``.
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's ``response_format``: free text, any JSON object, or JSON matching a schema."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's ``structured_outputs``: exactly one of its constraints."""
+
+    model_config = ConfigDict(extra="forbid")
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -169,6 +197,14 @@ class _Request(BaseModel):
     priority: int | None = Field(default=None, gt=-(2**31), le=2**31 - 1)
     # poise's own: continue a stream another replica began (the gateway's mid-stream failover)
     poise_resume: ResumeState | None = None
+    # Structured output: OpenAI's response_format, and vLLM's extras for the same (at most one).
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: StructuredOutputs | None = None
+    logit_bias: dict[str, float] | None = Field(default=None, max_length=1024)
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -240,6 +276,31 @@ class ChatMessage(BaseModel):
         return "".join(parts)
 
 
+class FunctionSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class _ChosenFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: _ChosenFunction
+
+
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
@@ -248,7 +309,9 @@ class ChatCompletionRequest(_Request):
     # The chat template's inputs, as vLLM takes them.
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # the prompt ends inside the last message, to go on
-    tools: list[dict[str, Any]] | None = None
+    tools: list[Tool] | None = Field(default=None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     documents: list[dict[str, Any]] | None = None
     chat_template: str | None = None  # a name of one of the model's templates, or a template
     chat_template_kwargs: dict[str, Any] | None = None

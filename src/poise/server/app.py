@@ -48,8 +48,14 @@ from poise.protocol import (
 )
 from poise.server.access import RequestReport
 from poise.server.json_route import StrictJsonRoute
-from poise.server.openai_api import Planned, create_chat_completion, create_completion
+from poise.server.openai_api import (
+    Planned,
+    check_model,
+    create_chat_completion,
+    create_completion,
+)
 from poise.server.replica import Phase, Replica
+from poise.server.tokenize_api import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
 
 log = logging.getLogger("poise.server")
 
@@ -306,6 +312,18 @@ def create_app(
         return await respond(
             request, body, lambda: create_chat_completion(replica, body, request.headers)
         )
+
+    @app.post("/tokenize")
+    async def tokenize_route(body: TokenizeRequest) -> dict[str, Any]:
+        replica = state.require()
+        check_model(replica, body.model)
+        return tokenize(replica, body)
+
+    @app.post("/detokenize")
+    async def detokenize_route(body: DetokenizeRequest) -> dict[str, Any]:
+        replica = state.require()
+        check_model(replica, body.model)
+        return detokenize(replica, body)
 
     @app.get("/v1/models")
     async def models() -> ModelList:

@@ -18,6 +18,7 @@ from poise.engine.generation_config import SamplingDefaults
 from poise.engine.intake import Resume
 from poise.engine.outputs import RequestOutput
 from poise.engine.request import SamplingParams
+from poise.engine.structured import GuidedDecoding
 from poise.observability.tracing import INPUT_TOKENS, RESPONSE_ID
 from poise.protocol import (
     DEADLINE_HEADER,
@@ -31,6 +32,8 @@ from poise.protocol import (
 )
 from poise.server.access import RequestReport
 from poise.server.replica import Prepared, Replica
+from poise.server.structured_request import guided_for, logit_bias_for
+from poise.server.tool_calls import ToolPlan, ToolStream, plan_tools, shape_message, tool_guided
 
 DONE = b"data: [DONE]\n\n"
 
@@ -59,6 +62,7 @@ def _sampling(
     logprobs: int | None,
     choice: int,
     defaults: SamplingDefaults,
+    guided: GuidedDecoding | None = None,
 ) -> SamplingParams:
     """What the body set wins; what it left unset (None) takes the model's generation config
     defaults, then poise's own."""
@@ -83,6 +87,8 @@ def _sampling(
             frequency_penalty=body.frequency_penalty,
             min_tokens=body.min_tokens,
             include_stop_str_in_output=body.include_stop_str_in_output,
+            logit_bias=logit_bias_for(body),
+            guided=guided,
         )
     except InvalidRequestError as exc:
         raise APIError(400, str(exc), param=exc.param) from exc
@@ -102,6 +108,26 @@ class _Call:
     notes: bool = False  # a token note before each event (for the gateway's failover)
     sent_chars: int = 0  # resumed: characters the client already has
     resumed: bool = False
+    tools: ToolPlan | None = None  # chat with tools: answers shaped as tool calls
+
+    def with_specials(self, token_ids: list[int]) -> str:
+        """The text a tool-call parser reads: special tokens kept (markers), the end dropped."""
+        eos = self.replica.engine.intake.limits.eos_token_ids
+        kept = [t for t in token_ids if t not in eos]
+        return self.replica.engine.tokenizer.decode(kept, skip_special_tokens=False)
+
+    def tool_stream(self, index: int) -> ToolStream | None:
+        if self.tools is None:
+            return None
+        marker = None
+        if self.tools.parser == "mistral":
+            marker = self.replica.engine.tokenizer.token_to_id("[TOOL_CALLS]")
+        stream = ToolStream(self.tools, self.response_id, index, marker)
+        if self.resumed:  # what the client has: the same state as the stream it continues
+            request = self.group[index].request
+            prior = self.replica.engine.tokenizer.decode(request.output_token_ids)
+            stream.feed(prior[: self.sent_chars], request.output_token_ids)
+        return stream
 
     @property
     def prompt_tokens(self) -> int:
@@ -157,13 +183,19 @@ def _choice_body(
 ) -> dict[str, Any]:
     c = out.outputs[0]
     if call.chat:
+        message: dict[str, Any] = {"role": "assistant", "content": c.text}
+        reason = c.finish_reason
+        if call.tools is not None:
+            message, reason = shape_message(
+                call.tools, call.response_id, index, c.text, call.with_specials(c.token_ids), reason
+            )
         return {
             "index": index,
-            "message": {"role": "assistant", "content": c.text},
+            "message": message,
             "logprobs": call.chat_logprobs(c.logprobs, top or 0)
             if c.logprobs is not None
             else None,
-            "finish_reason": c.finish_reason,
+            "finish_reason": reason,
             "stop_reason": c.stop_reason,
         }
     return {
@@ -228,6 +260,7 @@ async def _events(
     sent_logprobs = [0] * len(call.group)
     completion_tokens = [0] * len(call.group)
     sent_chars = call.sent_chars
+    tool_streams = [call.tool_stream(i) for i in range(len(call.group))] if call.chat else []
 
     def chunk(i: int, out: RequestOutput) -> bytes:
         c = out.outputs[0]
@@ -242,14 +275,29 @@ async def _events(
                 else call.completion_logprobs(entries, 0)
             )
         reason = c.finish_reason if out.finished else None
-        if call.chat:
-            delta = {"content": c.delta_text} if c.delta_text or not out.finished else {}
-            choice = {"index": i, "delta": delta, "logprobs": lp, "finish_reason": reason}
+        tools = tool_streams[i] if tool_streams else None
+        if tools is not None:
+            deltas = tools.feed(c.delta_text, c.delta_token_ids)
+            if out.finished:
+                more, reason = tools.finish(call.with_specials(c.token_ids), reason)
+                deltas += more
+            event = b"".join(
+                sse({**head, "choices": [_chunk_choice(i, d, None, None)], **usage_field})
+                for d in deltas[:-1]
+            )
+            last = _chunk_choice(i, deltas[-1] if deltas else {}, lp, reason)
+            if out.finished:
+                last["stop_reason"] = c.stop_reason
+            event += sse({**head, "choices": [last], **usage_field})
         else:
-            choice = {"index": i, "text": c.delta_text, "logprobs": lp, "finish_reason": reason}
-        if out.finished:
-            choice["stop_reason"] = c.stop_reason
-        event = sse({**head, "choices": [choice], **usage_field})
+            if call.chat:
+                delta = {"content": c.delta_text} if c.delta_text or not out.finished else {}
+                choice = _chunk_choice(i, delta, lp, reason)
+            else:
+                choice = {"index": i, "text": c.delta_text, "logprobs": lp, "finish_reason": reason}
+            if out.finished:
+                choice["stop_reason"] = c.stop_reason
+            event = sse({**head, "choices": [choice], **usage_field})
         if not call.notes:
             return event
         nonlocal sent_chars
@@ -287,6 +335,12 @@ async def _events(
     finally:
         await outputs.aclose()  # type: ignore[attr-defined]
     yield DONE
+
+
+def _chunk_choice(
+    index: int, delta: dict[str, Any], logprobs: Any, reason: str | None
+) -> dict[str, Any]:
+    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
 
 
 def _start(
@@ -343,7 +397,7 @@ class Planned:
                 self.call.replica.admission.left(p.request.request_id)
 
 
-def _check_model(replica: Replica, model: str | None) -> str:
+def check_model(replica: Replica, model: str | None) -> str:
     if model is not None and model != replica.model_name:
         raise APIError(
             404,
@@ -422,7 +476,7 @@ def _call(
 def create_completion(
     replica: Replica, body: CompletionRequest, headers: Mapping[str, str]
 ) -> Planned:
-    model = _check_model(replica, body.model)
+    model = check_model(replica, body.model)
     if body.suffix:
         raise APIError(400, "suffix is not supported", param="suffix")
     if body.best_of is not None and body.best_of != body.n:
@@ -433,8 +487,9 @@ def create_completion(
     _check_choices(replica, len(prompts), body.n)
     expanded = [p for p in prompts for _ in range(body.n)]
     defaults = replica.engine.sampling_defaults
+    guided = guided_for(body)
     samplings = [
-        _sampling(body, body.max_tokens, body.logprobs, j, defaults)
+        _sampling(body, body.max_tokens, body.logprobs, j, defaults, guided)
         for _ in prompts
         for j in range(body.n)
     ]
@@ -452,7 +507,7 @@ def create_completion(
 def create_chat_completion(
     replica: Replica, body: ChatCompletionRequest, headers: Mapping[str, str]
 ) -> Planned:
-    model = _check_model(replica, body.model)
+    model = check_model(replica, body.model)
     _check_choices(replica, 1, body.n)
     if body.add_generation_prompt and body.continue_final_message:
         raise APIError(
@@ -473,12 +528,18 @@ def create_chat_completion(
             param="chat_template",
         )
     messages = [m.template_dict() for m in body.messages]
+    tools = None if body.tools is None else [t.model_dump(exclude_none=True) for t in body.tools]
     try:
+        plan = plan_tools(
+            body,
+            replica.settings.tool_call_parser,
+            tokenizer.chat_templates.pick(body.chat_template, tools),
+        )
         prompt = tokenizer.apply_chat_template(
             messages,
             body.add_generation_prompt,
             continue_final_message=body.continue_final_message,
-            tools=body.tools,
+            tools=tools,
             documents=body.documents,
             chat_template=body.chat_template,
             chat_template_kwargs=body.chat_template_kwargs,
@@ -491,12 +552,18 @@ def create_chat_completion(
     max_tokens = body.max_completion_tokens or body.max_tokens
     logprobs = (top or 0) if body.logprobs else None
     defaults = replica.engine.sampling_defaults
-    samplings = [_sampling(body, max_tokens, logprobs, j, defaults) for j in range(body.n)]
+    try:
+        forced = None if plan is None else tool_guided(plan)
+    except InvalidRequestError as exc:
+        raise APIError(400, str(exc), param=exc.param) from exc
+    guided = guided_for(body, forced)
+    samplings = [_sampling(body, max_tokens, logprobs, j, defaults, guided) for j in range(body.n)]
     priority = priority_from(body.priority, headers.get("x-priority"))
     deadline = replica.deadline_from(headers.get(DEADLINE_HEADER))
     resume = _resume(body, body.n)
     # The template writes the special tokens itself.
     group = _start(replica, [prompt] * body.n, samplings, priority, deadline, False, resume)
     call = _call(replica, group, body, True, model, headers)
+    call.tools = plan if plan is not None and plan.mode != "none" else None
     include = bool(body.stream_options and body.stream_options.include_usage)
     return Planned(call, body.stream, top, include, [])
