@@ -529,14 +529,29 @@ UNKNOWN_FIELDS = [
         param="foo",
         says="Unrecognized request argument",
     ),
-    Case("logit_bias", body(OK_COMPLETION, logit_bias={"5": 100}), param="logit_bias"),
     Case(
-        "response_format",
-        body(OK_CHAT, response_format={"type": "json_object"}),
+        "functions (not honoured)",
+        body(OK_CHAT, functions=[{"name": "f"}]),
         path=CHAT,
-        param="response_format",
+        param="functions",
     ),
-    Case("tool_choice", body(OK_CHAT, tool_choice="required"), path=CHAT, param="tool_choice"),
+    Case(
+        "logit_bias out of the vocabulary",
+        body(OK_COMPLETION, logit_bias={"99999999": 100}),
+        param="logit_bias",
+    ),
+    Case(
+        "a response_format of an unknown type",
+        body(OK_CHAT, response_format={"type": "xml"}),
+        path=CHAT,
+        param="response_format.type",
+    ),
+    Case(
+        "tool_choice without tools",
+        body(OK_CHAT, tool_choice="required"),
+        path=CHAT,
+        param="tool_choice",
+    ),
     Case(
         "an unknown stream option",
         body(

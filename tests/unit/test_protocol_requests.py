@@ -38,7 +38,26 @@ def test_stop_token_ids_are_bounded():
     assert err[0]["loc"] == ("stop_token_ids",)
 
 
-@pytest.mark.parametrize("field", ["foo", "logit_bias", "response_format", "tool_choice"])
+# OpenAI's request fields poise does not implement, one of each family (deprecated function
+# calling, audio and modalities, predicted outputs, web search, storage and metadata, service
+# tiers, reasoning), and one no API has.
+UNHONOURED = [
+    "foo",
+    "functions",
+    "function_call",
+    "audio",
+    "modalities",
+    "prediction",
+    "web_search_options",
+    "store",
+    "metadata",
+    "service_tier",
+    "reasoning_effort",
+    "verbosity",
+]
+
+
+@pytest.mark.parametrize("field", UNHONOURED)
 def test_a_top_level_field_poise_does_not_honour_is_refused(field):
     for model, body in (
         (CompletionRequest, {"prompt": "x"}),
@@ -48,6 +67,12 @@ def test_a_top_level_field_poise_does_not_honour_is_refused(field):
         assert err[0]["type"] == "extra_forbidden" and err[0]["loc"] == (field,)
     err = errors(CompletionRequest, prompt="x", stream_options={"include_usage": 1, "x": 1})
     assert err[0]["loc"] == ("stream_options", "x")
+
+
+def test_tool_fields_belong_to_chat_only():
+    for field in ("tools", "tool_choice", "parallel_tool_calls"):
+        err = errors(CompletionRequest, prompt="x", **{field: "auto"})
+        assert err[0]["type"] == "extra_forbidden" and err[0]["loc"] == (field,)
 
 
 def test_messages_may_carry_fields_of_an_answer_sent_back():
