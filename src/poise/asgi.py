@@ -16,7 +16,7 @@ import hmac
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 
 import uvicorn
 from starlette.responses import Response
@@ -140,7 +140,10 @@ class GuardMiddleware:
     (``/v1/``) or the live state (``/debug/``) needs one (else 401). A body has a JSON content
     type or none (else 415), at most ``max_body_bytes`` (else 413), all of it within
     ``body_timeout_s`` of the headers (else 408, and the connection closes: a client that sends
-    headers and stalls holds nothing longer than that)."""
+    headers and stalls holds nothing longer than that).
+
+    ``forwarded``: the paths whose bodies are passed on as they came (the gateway's passthrough
+    routes): any content type, and the same bounds on the body whatever the method."""
 
     def __init__(
         self,
@@ -148,11 +151,13 @@ class GuardMiddleware:
         max_body_bytes: int,
         api_keys: Sequence[str],
         body_timeout_s: float = 30.0,
+        forwarded: Callable[[str], bool] | None = None,
     ) -> None:
         self.app = app
         self.max_body_bytes = max_body_bytes
         self.api_keys = [k.encode() for k in api_keys]
         self.body_timeout_s = body_timeout_s
+        self.forwarded = forwarded
 
     def _authorized(self, scope: Scope) -> bool:
         if not self.api_keys or not scope["path"].startswith(PROTECTED_PREFIXES):
@@ -176,7 +181,8 @@ class GuardMiddleware:
                 "invalid_api_key",
             )
             return
-        if scope["method"] not in ("POST", "PUT", "PATCH"):
+        forwarded = self.forwarded is not None and self.forwarded(scope["path"])
+        if scope["method"] not in ("POST", "PUT", "PATCH") and not forwarded:
             await self.app(scope, receive, send)
             return
         limit = self.max_body_bytes
@@ -186,7 +192,7 @@ class GuardMiddleware:
                     send, 413, f"the request body is larger than {limit} bytes", "body_too_large"
                 )
                 return
-            if name == b"content-type" and not is_json_type(value):
+            if name == b"content-type" and not forwarded and not is_json_type(value):
                 shown = value.decode("latin-1")[:100]
                 await _error(
                     send,

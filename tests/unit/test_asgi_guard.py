@@ -76,6 +76,22 @@ async def test_a_body_that_is_not_json_is_415_before_it_is_read():
         assert sent.status == 200 and sent.messages[1]["body"] == b"{}"
 
 
+async def test_a_forwarded_path_takes_any_type_and_a_bounded_body_in_any_method():
+    guard = GuardMiddleware(
+        echo, max_body_bytes=1024, api_keys=[], forwarded=lambda p: p == "/v1/audio/speech"
+    )
+    forwarded = {**scope([(b"content-type", b"audio/wav")]), "path": "/v1/audio/speech"}
+    sent = Recorder()
+    await guard(forwarded, body_receive(b"RIFF"), sent)
+    assert sent.status == 200 and sent.messages[1]["body"] == b"RIFF"
+    sent = Recorder()
+    await guard({**forwarded, "method": "DELETE"}, body_receive(b"x" * 1025), sent)
+    assert sent.status == 413
+    sent = Recorder()  # other paths keep the rule
+    await guard(scope([(b"content-type", b"audio/wav")]), body_receive(b"RIFF"), sent)
+    assert sent.status == 415
+
+
 async def test_a_client_that_stalls_after_its_headers_gets_408_and_the_connection_closes():
     guard = GuardMiddleware(echo, max_body_bytes=1024, api_keys=[], body_timeout_s=0.05)
     never = asyncio.Event()

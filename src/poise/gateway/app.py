@@ -1,8 +1,9 @@
 """The gateway's process: its state (pools, gates, limits, forwarder), routes and lifespan.
 
-What one proxied request goes through is ``proxy``'s business; here are the routes around it
-(models, health, readiness, metrics, version, the admin routes of ``admin``) and what the
-gateway holds for its whole life.
+What one proxied request goes through is ``proxy``'s business (the completions routes) or
+``passthrough``'s (every other route a backend serves); here are the routes the gateway answers
+itself, which come first (models, health, readiness, metrics, version, the admin routes of
+``admin``), and what the gateway holds for its whole life.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from fastapi.responses import JSONResponse, Response
 from opentelemetry.sdk.trace import TracerProvider
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp
 
 from poise.asgi import ErrorShield, GuardMiddleware
 from poise.gateway import admin
@@ -34,9 +35,11 @@ from poise.gateway.forward import Forwarder, Timeouts
 from poise.gateway.health import watch
 from poise.gateway.limits import GatewayLimits
 from poise.gateway.metrics import GatewayMetrics
+from poise.gateway.passthrough import make_passthrough
 from poise.gateway.pool import Backend, Pool
-from poise.gateway.proxy import Proxy, make_proxy
+from poise.gateway.proxy import make_proxy
 from poise.gateway.response_cache import ResponseCache
+from poise.gateway.routes import ProxiedRoutes, forwarded
 from poise.gateway.shared_verdicts import SharedVerdicts
 from poise.observability.tracing import Tracing, otlp_provider
 from poise.protocol import DEADLINE_HEADER, APIError, deadline_budget_s
@@ -334,10 +337,11 @@ def create_gateway_app(
         return JSONResponse({"version": __version__, "role": "gateway"})
 
     guarded = GuardMiddleware(
-        ProxiedRoutes(app, make_proxy(gw)),
+        ProxiedRoutes(app, make_proxy(gw), make_passthrough(gw)),
         max_body_bytes=settings.max_body_bytes,
         api_keys=[],
         body_timeout_s=settings.body_timeout_s,
+        forwarded=forwarded,
     )
     return ErrorShield(guarded, log)
 
@@ -347,40 +351,6 @@ async def _json(request: Request) -> object:
     # deep as the C stack allows (a RecursionError, a plain-text 500 and a dropped connection)
     # and takes NaN and lone surrogates; this answers 400 in OpenAI's shape for each.
     return read_json_body(await request.body())
-
-
-PROXIED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
-
-
-class ProxiedRoutes:
-    """The two proxied routes served straight from ASGI; everything else goes to FastAPI.
-
-    Written by hand because FastAPI's layers (routing, dependency solving, its exception and
-    telemetry middleware) were a measurable share of the latency the gateway adds to every
-    request, and these routes need none of them: the body is forwarded as it came.
-    """
-
-    def __init__(self, app: ASGIApp, handler: Proxy) -> None:
-        self.app = app
-        self.handler = handler
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        path = scope.get("path")
-        if scope["type"] != "http" or path not in PROXIED_PATHS:
-            await self.app(scope, receive, send)
-            return
-        if scope["method"] != "POST":  # FastAPI would say 404: it has no route for these paths
-            err = APIError(405, "Method Not Allowed", headers={"Allow": "POST"})
-            response = JSONResponse(err.body(), status_code=405, headers=err.headers)
-            await response(scope, receive, send)
-            return
-        try:
-            response = await self.handler(Request(scope, receive), path)
-        except Exception as exc:
-            log.exception("unhandled error on %s", path)
-            err = APIError(500, f"internal error: {type(exc).__name__}")
-            response = JSONResponse(err.body(), status_code=500)
-        await response(scope, receive, send)
 
 
 def _is_loopback(host: str) -> bool:

@@ -1,7 +1,7 @@
 """The gateway's YAML: models and their backend pools, keys, limits, and every policy's knobs.
 
-    models:
-      demo:
+    models:                             # the first is the default: where a passthrough
+      demo:                             # request naming no model goes (gateway.passthrough)
         backends:
           - url: http://127.0.0.1:8001
           - url: http://poise-replicas.default.svc:8000

@@ -147,12 +147,11 @@ def finish(gw: Gateway, record: RequestRecord, span: trace.Span | None) -> None:
     )
 
 
-def known_model(gw: Gateway, model: str) -> str:
+def require_model(gw: Gateway, model: str) -> None:
     if model not in gw.pools:
         raise APIError(
             404, f"the model {model!r} does not exist", param="model", code="model_not_found"
         )
-    return model
 
 
 @dataclass(slots=True)

@@ -8,6 +8,7 @@ registry is injected: two gateways in one process, or a test, never share one.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Protocol
 
@@ -34,6 +35,8 @@ BREAKER_VALUE = {BreakerState.CLOSED: 0, BreakerState.HALF_OPEN: 1, BreakerState
 LATENCY_BUCKETS = (
     0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0,
 )  # fmt: skip
+_VERSION = re.compile(r"v\d+")
+MAX_ROUTES = 64  # distinct route labels; the bound on the series a client's paths can make
 QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
@@ -42,8 +45,9 @@ class GatewayMetrics:
         r = self.registry = registry if registry is not None else CollectorRegistry()
         self.requests = Counter(
             "poise_gateway_requests",
-            "Requests answered, by model, the backend that answered (- for none) and outcome.",
-            ["model", "backend", "outcome"],
+            "Requests answered, by model, the backend that answered (- for none), outcome and "
+            "route (the path, an id in it as {id}).",
+            ["model", "backend", "outcome", "route"],
             registry=r,
         )
         self.queue_wait = Histogram(
@@ -56,14 +60,14 @@ class GatewayMetrics:
         self.ttft = Histogram(
             "poise_gateway_time_to_first_token_seconds",
             "From the request's arrival to the first byte of a streamed answer.",
-            ["model"],
+            ["model", "route"],
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
         self.e2e = Histogram(
             "poise_gateway_request_duration_seconds",
             "From the request's arrival to its last byte, successful answers.",
-            ["model"],
+            ["model", "route"],
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
@@ -132,22 +136,35 @@ class GatewayMetrics:
             registry=r,
         )
         r.register(_LiveState(gateway))
+        self._routes: set[str] = set()
 
     # ----- events -----
     def finished(self, record: RequestRecord) -> None:
         model = record.model or "-"
-        self.requests.labels(model, record.backend or "-", record.outcome).inc()
+        route = self.route(record.path)
+        self.requests.labels(model, record.backend or "-", record.outcome, route).inc()
         if record.queue_s is not None:
             self.queue_wait.labels(model).observe(record.queue_s)
         if record.outcome == "ok":
             if record.ttft_s is not None:
-                self.ttft.labels(model).observe(record.ttft_s)
+                self.ttft.labels(model, route).observe(record.ttft_s)
             if record.e2e_s is not None:
-                self.e2e.labels(model).observe(record.e2e_s)
+                self.e2e.labels(model, route).observe(record.e2e_s)
         if record.retries:
             self.retries.labels(model).inc(record.retries)
         if record.fallback is not None:
             self.fallbacks.labels(model, record.fallback.split(":")[0]).inc()
+
+    def route(self, path: str) -> str:
+        """The route label of a path: each segment that looks like an id (a digit in it, but
+        not a version such as v1; or long) as ``{id}``; past ``MAX_ROUTES`` distinct ones (a
+        client may send any path), "other"."""
+        route = "/".join("{id}" if _is_id(s) else s for s in path.split("/"))
+        if route not in self._routes:
+            if len(self._routes) >= MAX_ROUTES:
+                return "other"
+            self._routes.add(route)
+        return route
 
     def upstream_outcome(self, backend: Backend, outcome: str) -> None:
         self.upstream.labels(backend.url, outcome).inc()
@@ -172,6 +189,12 @@ class GatewayMetrics:
 
     def rate_limited(self, limit: str) -> None:
         self.limited.labels(limit).inc()
+
+
+def _is_id(segment: str) -> bool:
+    if len(segment) > 40:
+        return True
+    return any(c.isdigit() for c in segment) and _VERSION.fullmatch(segment) is None
 
 
 class _LiveState(Collector):

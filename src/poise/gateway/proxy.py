@@ -33,7 +33,7 @@ from poise.gateway.handling import (
     finish,
     handled,
     held_priority,
-    known_model,
+    require_model,
 )
 from poise.gateway.pool import Backend, affinity_key
 from poise.gateway.record import RequestRecord
@@ -72,7 +72,8 @@ async def _handle(
     record.key = key.name if key else None
     raw = await request.body()
     data = parse_body(raw)
-    model = record.model = known_model(gw, data["model"])
+    model = record.model = data["model"]
+    require_model(gw, model)
     gw.autoscaling.arrived(model)
     deadline = gw.deadline(request)
     text = prompt_text(data)

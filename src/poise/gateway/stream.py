@@ -196,6 +196,37 @@ async def relay(
                 current.outcome.abandon()  # no-op when already counted as an error
 
 
+async def relay_as_is(
+    upstream: Upstream, idle_s: float, position: StreamPosition
+) -> AsyncIterator[bytes]:
+    """A stream of a route the gateway does not read (``passthrough``): its events passed on as
+    they come, whole. Nothing is expected of its ending, and it is never resumed: a break
+    (connection lost, no data for ``idle_s``) ends it with an error event, and
+    ``position.failed`` says why."""
+    assert upstream.outcome is not None
+    timer = upstream.outcome.timer
+    ok = False
+    try:
+        async for batch in _batches(upstream, idle_s):
+            if timer is not None:
+                timer.tokens(batch.count(b"data: "))  # an event a token, about
+            yield batch
+        ok = True
+    except (aiohttp.ClientError, StreamBrokeError) as exc:
+        where = upstream.backend.url if upstream.backend else "the backend"
+        log.warning("stream from %s broke after it began: %s", where, exc)
+        upstream.outcome.done("error")
+        position.failed = f"the backend failed mid-stream: {exc}"
+        body = error_body(502, position.failed, code="upstream_error")
+        yield b"data: " + json.dumps(body).encode() + b"\n\n"
+    finally:
+        upstream.close(reusable=ok)
+        if ok:
+            upstream.outcome.done("ok")
+        else:
+            upstream.outcome.abandon()  # no-op when already counted as an error
+
+
 def _error_event(status: int, message: str) -> bytes:
     body = error_body(status, message, code="upstream_error")
     return b"data: " + json.dumps(body).encode() + b"\n\n" + DONE_EVENT
