@@ -52,6 +52,24 @@ def test_openai_client_through_the_gateway_matches_the_replica(gateway, replicas
     assert [m.id for m in via.models.list().data] == ["m"]
 
 
+def test_the_replica_s_other_routes_pass_through_the_gateway(gateway, replicas):
+    """/tokenize and /detokenize (vLLM's, at the root) answer through the gateway as the
+    replica answers them; a route the replica does not serve is its own 404."""
+    g = gateway()
+    asked = {"model": "m", "prompt": "The gateway forwards", "return_token_strs": True}
+    via = httpx.post(g.url + "/tokenize", json=asked)
+    direct = httpx.post(replicas[0].url + "/tokenize", json=asked)
+    assert via.status_code == direct.status_code == 200 and via.json() == direct.json()
+    back = httpx.post(g.url + "/detokenize", json={"model": "m", "tokens": via.json()["tokens"]})
+    assert back.status_code == 200 and back.json()["prompt"].endswith("The gateway forwards")
+    wrong = {"model": "m", "tokens": "x"}
+    bad = httpx.post(g.url + "/detokenize", json=wrong)
+    refused = httpx.post(replicas[1].url + "/detokenize", json=wrong)
+    assert bad.status_code == refused.status_code == 400 and bad.json() == refused.json()
+    r = httpx.post(g.url + "/v1/embeddings", json={"model": "m", "input": "x"})
+    assert r.status_code == 404 and set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+
 def test_gateway_errors_have_the_openai_shape(gateway):
     g = gateway()
     r = httpx.post(g.url + "/v1/completions", json={"model": "nope", "prompt": "x"})
