@@ -151,10 +151,10 @@ class LLMEngine:
         request.cache_salt = self.model.prefix_cache_salt(
             request.num_prompt_tokens, request.num_tokens
         )
+        self.scheduler.add_request(request)
         sp = request.sampling
         if sp.guided is not None and self.runner.guided is not None:
             self.runner.guided.start(request.request_id, sp.guided, request.output_token_ids)
-        self.scheduler.add_request(request)
         detok = IncrementalDetokenizer(
             self.tokenizer,
             request.prompt_token_ids,

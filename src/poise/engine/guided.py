@@ -92,8 +92,6 @@ class GuidedMatchers:
         return self._pool.submit(self._fill, [(i, self._matchers[rid], rid) for i, rid in wanted])
 
     def _fill(self, rows: list[tuple[int, Future[LLMatcher], str]]) -> StepMasks:
-        from llguidance.torch import fill_next_token_bitmask_par
-
         masks = StepMasks()
         live: list[tuple[LLMatcher, int]] = []
         order: list[int] = []
@@ -109,7 +107,8 @@ class GuidedMatchers:
         words = (self.vocab_size + 31) // 32
         bitmask = torch.full((len(order), words), -1, dtype=torch.int32)
         assert self._executor is not None
-        fill_next_token_bitmask_par(self._executor, live, bitmask)
+        # llguidance.torch's wrapper of this call imports torch.compile (dynamo) on import.
+        self._executor.unsafe_compute_mask_ptr(live, bitmask.data_ptr(), words * 4, len(order))
         allowed = ((bitmask.unsqueeze(-1) >> _BITS) & 1).bool().view(len(order), -1)
         for row, i in enumerate(order):
             masks.allowed[i] = allowed[row, : self.vocab_size]
