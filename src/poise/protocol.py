@@ -186,7 +186,7 @@ class _Request(BaseModel):
     frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
     repetition_penalty: float | None = Field(default=None, gt=0, allow_inf_nan=False)
     min_p: float | None = Field(default=None, ge=0, le=1)
-    user: str | None = None
+    user: str | None = Field(default=None, max_length=256)  # logged with the request, not used
     # vLLM's extras
     top_k: int | None = Field(default=None, ge=-1)
     min_tokens: int = Field(default=0, ge=0)
@@ -309,6 +309,7 @@ class ChatCompletionRequest(_Request):
     # The chat template's inputs, as vLLM takes them.
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # the prompt ends inside the last message, to go on
+    echo: bool = False  # vLLM's: the answer starts with the last message's text (an assistant's)
     tools: list[Tool] | None = Field(default=None, max_length=128)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None

@@ -33,6 +33,7 @@ class RequestReport:
     queue_s: float | None = None
     ttft_s: float | None = None
     ended: bool = False
+    user: str | None = None  # OpenAI's ``user``: the client's name for its end user, logged
 
     def engine_done(
         self,
@@ -69,6 +70,7 @@ class RequestReport:
                 "path": self.path,
                 "model": self.model,
                 "stream": self.stream,
+                "user": self.user,
                 "status": status,
                 "prompt_tokens": self.prompt_tokens,
                 "output_tokens": output_tokens,

@@ -261,6 +261,7 @@ def create_app(
         report = RequestReport(
             request.headers.get("x-request-id"), request.url.path, body.model, bool(body.stream)
         )
+        report.user = body.user
         report.trace = start_request(
             tracing,
             request.headers,

@@ -1,22 +1,20 @@
-"""OpenAI's completions and chat completions over a ``Replica``: parameters in, JSON or SSE out.
+"""OpenAI's completions and chat completions over a ``Replica``: a request in, a planned call out.
 
-Streaming responses wait for the first output before sending headers, so anything that fails
-before a token exists (admission, deadline, a failed step) still gets its proper HTTP status;
-after the first byte a failure becomes an SSE error event followed by ``data: [DONE]``.
+Everything before the engine runs happens here, synchronously in the route: the model check,
+sampling parameters (with the generation config's defaults), structured output and tool plans,
+the chat template, tokenizing and admission. ``answers`` turns the call's outputs into the
+answer or its stream.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator, Mapping
-from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
 from poise.engine.errors import InvalidRequestError
 from poise.engine.generation_config import SamplingDefaults
 from poise.engine.intake import Resume
-from poise.engine.outputs import RequestOutput
 from poise.engine.request import SamplingParams
 from poise.engine.structured import GuidedDecoding
 from poise.observability.tracing import INPUT_TOKENS, RESPONSE_ID
@@ -28,18 +26,12 @@ from poise.protocol import (
     CompletionRequest,
     new_id,
     now_s,
-    token_note,
 )
 from poise.server.access import RequestReport
+from poise.server.answers import Call, collect, stream_events
 from poise.server.replica import Prepared, Replica
 from poise.server.structured_request import guided_for, logit_bias_for
-from poise.server.tool_calls import ToolPlan, ToolStream, plan_tools, shape_message, tool_guided
-
-DONE = b"data: [DONE]\n\n"
-
-
-def sse(payload: Mapping[str, Any]) -> bytes:
-    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+from poise.server.tool_calls import plan_tools, tool_guided
 
 
 def priority_from(body_priority: int | None, header: str | None) -> int:
@@ -94,255 +86,6 @@ def _sampling(
         raise APIError(400, str(exc), param=exc.param) from exc
 
 
-@dataclass(slots=True)
-class _Call:
-    """One HTTP request in flight: its engine requests, ``n`` per prompt, in choice order."""
-
-    replica: Replica
-    group: list[Prepared]
-    n: int
-    chat: bool
-    response_id: str
-    created: int
-    model: str
-    notes: bool = False  # a token note before each event (for the gateway's failover)
-    sent_chars: int = 0  # resumed: characters the client already has
-    resumed: bool = False
-    tools: ToolPlan | None = None  # chat with tools: answers shaped as tool calls
-
-    def with_specials(self, token_ids: list[int]) -> str:
-        """The text a tool-call parser reads: special tokens kept (markers), the end dropped."""
-        eos = self.replica.engine.intake.limits.eos_token_ids
-        kept = [t for t in token_ids if t not in eos]
-        return self.replica.engine.tokenizer.decode(kept, skip_special_tokens=False)
-
-    def tool_stream(self, index: int) -> ToolStream | None:
-        if self.tools is None:
-            return None
-        marker = None
-        if self.tools.parser == "mistral":
-            marker = self.replica.engine.tokenizer.token_to_id("[TOOL_CALLS]")
-        stream = ToolStream(self.tools, self.response_id, index, marker)
-        if self.resumed:  # what the client has: the same state as the stream it continues
-            request = self.group[index].request
-            prior = self.replica.engine.tokenizer.decode(request.output_token_ids)
-            stream.feed(prior[: self.sent_chars], request.output_token_ids)
-        return stream
-
-    @property
-    def prompt_tokens(self) -> int:
-        return sum(p.request.num_prompt_tokens for p in self.group[:: self.n])
-
-    def token_text(self, token_id: int) -> str:
-        return self.replica.engine.tokenizer.decode([token_id], skip_special_tokens=False)
-
-    def completion_logprobs(self, entries: list[dict[int, float]], offset: int) -> dict[str, Any]:
-        tokens, token_lps, tops, offsets = [], [], [], []
-        for entry in entries:
-            chosen, lp = next(iter(entry.items()))
-            text = self.token_text(chosen)
-            tokens.append(text)
-            token_lps.append(lp)
-            tops.append({self.token_text(t): v for t, v in entry.items()})
-            offsets.append(offset)
-            offset += len(text)
-        return {
-            "tokens": tokens,
-            "token_logprobs": token_lps,
-            "top_logprobs": tops,
-            "text_offset": offsets,
-        }
-
-    def chat_logprobs(self, entries: list[dict[int, float]], top: int) -> dict[str, Any]:
-        content = []
-        for entry in entries:
-            items = list(entry.items())
-            chosen, lp = items[0]
-            text = self.token_text(chosen)
-            alts = sorted(items, key=lambda kv: -kv[1])[:top]
-            content.append(
-                {
-                    "token": text,
-                    "logprob": lp,
-                    "bytes": list(text.encode()),
-                    "top_logprobs": [
-                        {
-                            "token": (s := self.token_text(t)),
-                            "logprob": v,
-                            "bytes": list(s.encode()),
-                        }
-                        for t, v in alts
-                    ],
-                }
-            )
-        return {"content": content}
-
-
-def _choice_body(
-    call: _Call, index: int, out: RequestOutput, top: int | None, echo: str
-) -> dict[str, Any]:
-    c = out.outputs[0]
-    if call.chat:
-        message: dict[str, Any] = {"role": "assistant", "content": c.text}
-        reason = c.finish_reason
-        if call.tools is not None:
-            message, reason = shape_message(
-                call.tools, call.response_id, index, c.text, call.with_specials(c.token_ids), reason
-            )
-        return {
-            "index": index,
-            "message": message,
-            "logprobs": call.chat_logprobs(c.logprobs, top or 0)
-            if c.logprobs is not None
-            else None,
-            "finish_reason": reason,
-            "stop_reason": c.stop_reason,
-        }
-    return {
-        "index": index,
-        "text": echo + c.text,
-        "logprobs": call.completion_logprobs(c.logprobs, len(echo))
-        if c.logprobs is not None
-        else None,
-        "finish_reason": c.finish_reason,
-        "stop_reason": c.stop_reason,
-    }
-
-
-async def _collect(call: _Call, top: int | None, echo: list[str]) -> dict[str, Any]:
-    last: dict[int, RequestOutput] = {}
-    async with aclosing(call.replica.run(call.group)) as outputs:
-        async for i, out in outputs:
-            last[i] = out
-    choices = [
-        _choice_body(call, i, last[i], top, echo[i // call.n] if echo else "")
-        for i in range(len(call.group))
-    ]
-    completion_tokens = sum(len(o.outputs[0].token_ids) for o in last.values())
-    return {
-        "id": call.response_id,
-        "object": "chat.completion" if call.chat else "text_completion",
-        "created": call.created,
-        "model": call.model,
-        "choices": choices,
-        "usage": {
-            "prompt_tokens": call.prompt_tokens,
-            "completion_tokens": completion_tokens,
-            "total_tokens": call.prompt_tokens + completion_tokens,
-        },
-    }
-
-
-async def _stream(call: _Call, top: int | None, include_usage: bool) -> AsyncIterator[bytes]:
-    """Headers go out only after the first output, so early failures keep their status."""
-    outputs = call.replica.run(call.group)
-    try:
-        first = await anext(outputs)
-    except StopAsyncIteration:
-        await outputs.aclose()
-        raise APIError(500, "the engine returned no output", code="engine_error") from None
-    except BaseException:
-        await outputs.aclose()
-        raise
-    return _events(call, outputs, first, top, include_usage)
-
-
-async def _events(
-    call: _Call,
-    outputs: AsyncIterator[tuple[int, RequestOutput]],
-    first: tuple[int, RequestOutput],
-    top: int | None,
-    include_usage: bool,
-) -> AsyncIterator[bytes]:
-    obj = "chat.completion.chunk" if call.chat else "text_completion"
-    head = {"id": call.response_id, "object": obj, "created": call.created, "model": call.model}
-    usage_field = {"usage": None} if include_usage else {}
-    sent_logprobs = [0] * len(call.group)
-    completion_tokens = [0] * len(call.group)
-    sent_chars = call.sent_chars
-    tool_streams = [call.tool_stream(i) for i in range(len(call.group))] if call.chat else []
-
-    def chunk(i: int, out: RequestOutput) -> bytes:
-        c = out.outputs[0]
-        completion_tokens[i] = len(c.token_ids)
-        lp = None
-        if c.logprobs is not None:
-            entries = c.logprobs[sent_logprobs[i] :]
-            sent_logprobs[i] = len(c.logprobs)
-            lp = (
-                call.chat_logprobs(entries, top or 0)
-                if call.chat
-                else call.completion_logprobs(entries, 0)
-            )
-        reason = c.finish_reason if out.finished else None
-        tools = tool_streams[i] if tool_streams else None
-        if tools is not None:
-            deltas = tools.feed(c.delta_text, c.delta_token_ids)
-            if out.finished:
-                more, reason = tools.finish(call.with_specials(c.token_ids), reason)
-                deltas += more
-            event = b"".join(
-                sse({**head, "choices": [_chunk_choice(i, d, None, None)], **usage_field})
-                for d in deltas[:-1]
-            )
-            last = _chunk_choice(i, deltas[-1] if deltas else {}, lp, reason)
-            if out.finished:
-                last["stop_reason"] = c.stop_reason
-            event += sse({**head, "choices": [last], **usage_field})
-        else:
-            if call.chat:
-                delta = {"content": c.delta_text} if c.delta_text or not out.finished else {}
-                choice = _chunk_choice(i, delta, lp, reason)
-            else:
-                choice = {"index": i, "text": c.delta_text, "logprobs": lp, "finish_reason": reason}
-            if out.finished:
-                choice["stop_reason"] = c.stop_reason
-            event = sse({**head, "choices": [choice], **usage_field})
-        if not call.notes:
-            return event
-        nonlocal sent_chars
-        sent_chars += len(c.delta_text)
-        return token_note(c.delta_token_ids, sent_chars) + event
-
-    try:
-        if call.chat and not call.resumed:
-            for i in range(len(call.group)):
-                role = {"role": "assistant", "content": ""}
-                if call.notes:
-                    yield token_note([], sent_chars)
-                yield sse(
-                    {
-                        **head,
-                        "choices": [
-                            {"index": i, "delta": role, "logprobs": None, "finish_reason": None}
-                        ],
-                        **usage_field,
-                    }
-                )
-        yield chunk(*first)
-        async for i, out in outputs:
-            yield chunk(i, out)
-        if include_usage:
-            total = sum(completion_tokens)
-            usage = {
-                "prompt_tokens": call.prompt_tokens,
-                "completion_tokens": total,
-                "total_tokens": call.prompt_tokens + total,
-            }
-            yield sse({**head, "choices": [], "usage": usage})
-    except APIError as exc:  # after the first byte: say so in the stream, never just stop
-        yield sse(exc.body() | {"status_code": exc.status})
-    finally:
-        await outputs.aclose()  # type: ignore[attr-defined]
-    yield DONE
-
-
-def _chunk_choice(
-    index: int, delta: dict[str, Any], logprobs: Any, reason: str | None
-) -> dict[str, Any]:
-    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
-
-
 def _start(
     replica: Replica,
     prompts: list[str | list[int]],
@@ -368,7 +111,7 @@ class Planned:
     is the part that waits for the engine. ``release_if_unstarted`` gives back admission places
     should ``run`` never start (the client left first)."""
 
-    call: _Call
+    call: Call
     stream: bool
     top: int | None
     include_usage: bool
@@ -378,8 +121,8 @@ class Planned:
     async def run(self) -> dict[str, Any] | AsyncIterator[bytes]:
         self.started = True
         if self.stream:
-            return await _stream(self.call, self.top, self.include_usage)
-        return await _collect(self.call, self.top, self.echo)
+            return await stream_events(self.call, self.top, self.include_usage)
+        return await collect(self.call, self.top, self.echo)
 
     def reported_to(self, report: RequestReport) -> None:
         """Every choice's engine timings go to the request's report (and so to its trace)."""
@@ -455,9 +198,9 @@ def _call(
     chat: bool,
     model: str,
     headers: Mapping[str, str],
-) -> _Call:
+) -> Call:
     state = body.poise_resume
-    call = _Call(
+    call = Call(
         replica,
         group,
         body.n,
@@ -566,4 +309,15 @@ def create_chat_completion(
     call = _call(replica, group, body, True, model, headers)
     call.tools = plan if plan is not None and plan.mode != "none" else None
     include = bool(body.stream_options and body.stream_options.include_usage)
-    return Planned(call, body.stream, top, include, [])
+    return Planned(call, body.stream, top, include, _chat_echo(body, call.tools is not None))
+
+
+def _chat_echo(body: ChatCompletionRequest, tool_calls: bool) -> list[str]:
+    """vLLM's echo on chat: an answer that continues the last message (an assistant's) starts
+    with that message's text; other roles echo nothing."""
+    if not body.echo:
+        return []
+    if body.stream or tool_calls:
+        raise APIError(400, "echo works only without stream and tool calls", param="echo")
+    last = body.messages[-1]
+    return [last.text() if last.role == "assistant" else ""]

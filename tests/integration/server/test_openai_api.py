@@ -276,3 +276,30 @@ def test_a_chat_template_of_the_requests_own_needs_the_servers_trust(client):
         )
     assert _error(info.value)["param"] == "chat_template"
     assert client.chat.completions.create(model="m", messages=messages, max_tokens=1).choices
+
+
+def test_chat_echo_starts_the_answer_with_the_message_it_continues(client):
+    kw = dict(
+        model="m",
+        messages=[
+            {"role": "user", "content": "Tell a story"},
+            {"role": "assistant", "content": "Once upon a time"},
+        ],
+        max_tokens=6,
+        temperature=0,
+    )
+    cont = {"continue_final_message": True, "add_generation_prompt": False}
+    plain = client.chat.completions.create(**kw, extra_body=cont).choices[0].message.content
+    echoed = client.chat.completions.create(**kw, extra_body={**cont, "echo": True})
+    assert echoed.choices[0].message.content == "Once upon a time" + plain
+    with pytest.raises(openai.BadRequestError, match="echo"):
+        client.chat.completions.create(**kw, stream=True, extra_body={**cont, "echo": True})
+
+
+def test_the_user_field_is_logged_with_its_request(client, server):
+    client.completions.create(model="m", prompt="hi", max_tokens=1, user="end-user-4711")
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and "end-user-4711" not in server.log():
+        time.sleep(0.1)
+    line = next(json.loads(x) for x in server.log().splitlines() if "end-user-4711" in x)
+    assert line["user"] == "end-user-4711" and line["path"] == "/v1/completions"
