@@ -31,9 +31,8 @@ import json
 import logging
 import math
 import random
-import re
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -41,6 +40,14 @@ from opentelemetry import trace
 
 from poise.gateway.outcome import CutOff, Outcome
 from poise.gateway.pool import Backend, Pool
+from poise.gateway.upstream import (
+    Upstream,
+    error_code,
+    error_message,
+    output_tokens,
+    passed_headers,
+    retry_after_s,
+)
 from poise.observability.tracing import Tracing
 from poise.protocol import DEADLINE_HEADER, APIError
 from poise.resilience.breaker import Permit
@@ -51,8 +58,6 @@ log = logging.getLogger("poise.gateway")
 # 500 too, as Envoy's ``5xx``: generation has no side effects, and nothing was sent yet.
 RETRYABLE_STATUS = frozenset({429, 500, 502, 503, 504})
 FAILURE_STATUS = frozenset({500, 502, 503, 504})  # what counts against a backend's health
-# Usage sits at the end of a completion; a search of the tail is cheaper than parsing it all.
-_COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
 
 
 @dataclass(slots=True)
@@ -93,28 +98,6 @@ COMPLETION = Call()
 class Timeouts:
     connect_s: float
     first_byte_s: float
-
-
-@dataclass(slots=True, eq=False)  # hashed by identity: a key of Backend.movable
-class Upstream:
-    """A committed upstream response: status, headers, and (for streams) its open body."""
-
-    status: int
-    headers: dict[str, str]
-    body: bytes | None  # whole body (non-streaming); None for a stream
-    first_chunk: bytes = b""
-    chunks: AsyncIterator[bytes] | None = None
-    response: aiohttp.ClientResponse | None = None
-    backend: Backend | None = None
-    outcome: Outcome | None = None
-
-    def close(self, reusable: bool) -> None:
-        """Give the connection back (a body read to its end) or drop it (anything else)."""
-        if self.response is not None:
-            if reusable:
-                self.response.release()
-            else:
-                self.response.close()
 
 
 class Forwarder:
@@ -227,7 +210,7 @@ class Forwarder:
         """Whether a backend's 504 is the request's deadline passing there: it says so, or too
         little of the deadline is left for another attempt."""
         left = left_s - (self.clock() - started)
-        return _code(data) == "timeout" or left < self.policy.min_attempt_s
+        return error_code(data) == "timeout" or left < self.policy.min_attempt_s
 
     async def _attempt(
         self,
@@ -306,14 +289,14 @@ class Forwarder:
                         # The backend kept the request to its deadline (a poise replica
                         # honours the deadline header and says so): the request's 504.
                         outcome.done("deadline")
-                        raise APIError(504, f"{backend.url}: {_message(data)}", code="timeout")
+                        raise APIError(504, f"{backend.url}: {error_message(data)}", code="timeout")
                     if status in RETRYABLE_STATUS and call.idempotent:
                         outcome.done("overloaded" if status == 429 else "error")
-                        journey.last_error = f"{status} from {backend.url}: {_message(data)}"
-                        return None, _retry_after(response)
+                        journey.last_error = f"{status} from {backend.url}: {error_message(data)}"
+                        return None, retry_after_s(response)
                     verdict = "overloaded" if status == 429 else "ok" if status < 500 else "error"
                     outcome.done(verdict, output_tokens(data))
-                    return Upstream(status, _pass_headers(response), data, backend=backend), None
+                    return Upstream(status, passed_headers(response), data, backend=backend), None
                 chunks = response.content.iter_any()
                 first = await anext(chunks, b"")
                 if timer is not None:
@@ -324,7 +307,7 @@ class Forwarder:
                 return (
                     Upstream(
                         200,
-                        _pass_headers(response),
+                        passed_headers(response),
                         None,
                         first,
                         chunks,
@@ -393,44 +376,6 @@ def _never_sent(exc: BaseException) -> bool:
     return isinstance(exc, (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError))
 
 
-def output_tokens(body: bytes) -> int | None:
-    """The completion tokens a whole answer's usage reports, if it does."""
-    match = _COMPLETION_TOKENS.search(body[-400:])
-    return None if match is None else int(match.group(1))
-
-
 def _renamed(body: bytes, model: str) -> bytes:
     """The body with the model under the name the backend knows it by."""
     return json.dumps({**json.loads(body), "model": model}).encode()
-
-
-def _code(data: bytes) -> str | None:
-    try:
-        code = json.loads(data)["error"].get("code")
-    except (ValueError, KeyError, TypeError, AttributeError):
-        return None
-    return code if isinstance(code, str) else None
-
-
-def _message(data: bytes) -> str:
-    try:
-        return str(json.loads(data)["error"]["message"])[:200]
-    except (ValueError, KeyError, TypeError):
-        return data[:200].decode(errors="replace")
-
-
-def _retry_after(response: aiohttp.ClientResponse) -> float | None:
-    raw = response.headers.get("retry-after")
-    try:
-        return None if raw is None else min(60.0, max(0.0, float(raw)))
-    except ValueError:
-        return None
-
-
-HOP_HEADERS = frozenset(
-    {"content-length", "transfer-encoding", "connection", "keep-alive", "server", "date"}
-)
-
-
-def _pass_headers(response: aiohttp.ClientResponse) -> dict[str, str]:
-    return {k: v for k, v in response.headers.items() if k.lower() not in HOP_HEADERS}

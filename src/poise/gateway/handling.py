@@ -26,10 +26,11 @@ from poise.asgi import ClientGoneError, EventStreamResponse
 from poise.gateway.autoscaling import Autoscaling
 from poise.gateway.config import KeySettings
 from poise.gateway.core import GatewayCore
-from poise.gateway.forward import Forwarder, Upstream, output_tokens
+from poise.gateway.forward import Forwarder
 from poise.gateway.metrics import GatewayMetrics
 from poise.gateway.record import RequestRecord
 from poise.gateway.response_cache import ResponseCache
+from poise.gateway.upstream import Upstream, output_tokens
 from poise.observability import tracing as tr
 from poise.observability.logs import ms
 from poise.observability.tracing import Tracing

@@ -34,7 +34,7 @@ from fastapi.responses import Response
 from opentelemetry import trace
 
 from poise.asgi import CancelOnDisconnect, EventStreamResponse
-from poise.gateway.forward import Attempt, Call, Upstream
+from poise.gateway.forward import Attempt, Call
 from poise.gateway.handling import (
     REQUEST_ID_HEADER,
     Charged,
@@ -50,6 +50,7 @@ from poise.gateway.handling import (
 from poise.gateway.record import RequestRecord
 from poise.gateway.request_body import body_model
 from poise.gateway.stream import StreamPosition, relay_as_is
+from poise.gateway.upstream import Upstream
 from poise.observability import tracing as tr
 from poise.protocol import ATTEMPT_COUNT_HEADER, DEADLINE_HEADER
 

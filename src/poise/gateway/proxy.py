@@ -22,7 +22,7 @@ from fastapi.responses import Response
 from opentelemetry import trace
 
 from poise.asgi import CancelOnDisconnect, ClientGoneError, EventStreamResponse
-from poise.gateway.forward import Attempt, Upstream
+from poise.gateway.forward import Attempt
 from poise.gateway.handling import (
     REQUEST_ID_HEADER,
     Gateway,
@@ -46,6 +46,7 @@ from poise.gateway.request_body import (
 )
 from poise.gateway.response_cache import cache_key
 from poise.gateway.stream import StreamPosition, relay
+from poise.gateway.upstream import Upstream
 from poise.observability import tracing as tr
 from poise.protocol import ATTEMPT_COUNT_HEADER, STREAM_TOKENS_HEADER, APIError
 

@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 import aiohttp
 import httpx
 
-from poise.gateway.forward import Upstream
 from poise.gateway.pool import Backend
+from poise.gateway.upstream import Upstream
 from poise.protocol import TOKEN_NOTE_PREFIX, APIError, error_body, parse_token_note
 
 log = logging.getLogger("poise.gateway")

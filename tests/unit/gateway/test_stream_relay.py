@@ -8,8 +8,8 @@ import json
 import httpx
 import pytest
 
-from poise.gateway.forward import Upstream
 from poise.gateway.stream import StreamPosition, relay
+from poise.gateway.upstream import Upstream
 from poise.protocol import APIError, token_note
 
 
