@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from poise.engine.guided import GuidedMatchers, StepMasks
+from poise.engine.guided import GuidedMatchers, StepMasks, apply_grammar
 from poise.engine.kernels import PagedDecodeAttention
 from poise.engine.models.attention import (
     AttentionMetadata,
@@ -234,16 +234,10 @@ class ModelRunner:
         logits = self.model(input_ids, meta, self.kv_caches)
         masks = StepMasks() if pending is None else pending.result()
         rows = [
-            SampleRow(
-                s.sampling,
-                s.prompt_token_ids,
-                s.output_token_ids,
-                self._generator(s),
-                masks.allowed.get(i),
-            )
-            for i, s in enumerate(sampling)
+            SampleRow(s.sampling, s.prompt_token_ids, s.output_token_ids, self._generator(s))
+            for s in sampling
         ]
-        results = sample(logits.cpu(), rows, self.eos)
+        results = sample(apply_grammar(logits, masks).cpu(), rows, self.eos)
         sampled = {s.request_id: r for s, r in zip(sampling, results, strict=True)}
         if pending is None:
             return RunnerOutput(sampled)

@@ -3,10 +3,12 @@
 Greedy rows are one argmax over the batch. Every other row samples with its own generator:
 seeded requests own a ``torch.Generator`` seeded once, so the same seed and input give the same
 tokens whatever else shares the batch; unseeded ones draw from the runner's generator.
-Logprobs are those of the model's raw distribution, before penalties and temperature.
+Logprobs are those of the model's distribution before penalties and temperature (after a
+structured output's grammar mask, as vLLM's).
 
-Each row's logits go through the steps in vLLM's order: the grammar's mask (structured
-output), the logit bias, stop tokens banned before min_tokens, then the penalties (repetition
+The grammar masks of structured output are applied before, by the runner, on the logits' own
+device (``guided.apply_grammar``). Each row's logits go through the steps in vLLM's order: the
+logit bias, stop tokens banned before min_tokens, then the penalties (repetition
 over prompt and output, frequency, presence), then for sampled
 rows temperature, min_p, top-k and top-p. Greedy rows take the argmax after the penalties.
 """
@@ -27,7 +29,6 @@ class SampleRow:
     prompt_token_ids: list[int]  # read only; the repetition penalty covers them
     output_token_ids: list[int]
     generator: torch.Generator
-    allowed: torch.Tensor | None = None  # structured output: the tokens its grammar allows
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,15 +117,12 @@ def sample(logits: torch.Tensor, rows: Sequence[SampleRow], eos: frozenset[int])
         or r.sampling.frequency_penalty
         or r.sampling.repetition_penalty != 1.0
         or len(r.output_token_ids) < r.sampling.min_tokens
-        or r.allowed is not None
         or r.sampling.logit_bias
     ]
     if needs_processing:
         processed = logits.clone()
         for i in needs_processing:
             row = rows[i]
-            if row.allowed is not None:
-                processed[i].masked_fill_(~row.allowed, float("-inf"))
             if row.sampling.logit_bias:
                 _add_bias(processed[i], row.sampling.logit_bias)
             _mask_stops(processed[i], row.sampling, row.output_token_ids, eos)
