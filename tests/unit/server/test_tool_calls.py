@@ -168,3 +168,44 @@ def test_a_resumed_stream_primed_with_what_was_sent_goes_on_identically():
         joined = "".join(d.get("content") or "" for d in sent + rest)
         assert joined == "".join(d.get("content") or "" for d in once)
         assert [d for d in rest if "tool_calls" in d] == [d for d in once if "tool_calls" in d]
+
+
+def _official_accumulation(plan: ToolPlan, pieces: list[str], text: str):
+    """The stream's chunks folded by the openai package's own accumulator."""
+    from openai.lib.streaming.chat import ChatCompletionStreamState
+    from openai.types.chat import ChatCompletionChunk
+
+    state = ChatCompletionStreamState()
+    head = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": "m"}
+
+    def push(delta: dict, reason: str | None = None) -> None:
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+        state.handle_chunk(ChatCompletionChunk.model_validate({**head, "choices": [choice]}))
+
+    push({"role": "assistant", "content": ""})
+    stream = ToolStream(plan, "chatcmpl-1", 0)
+    for piece in pieces:
+        for delta in stream.feed(piece, []):
+            push(delta)
+    deltas, reason = stream.finish(text, "stop")
+    for delta in deltas[:-1]:
+        push(delta)
+    push(deltas[-1] if deltas else {}, reason)
+    return state.get_final_completion().choices[0]
+
+
+@pytest.mark.parametrize("mode", ["auto", "required", "named"])
+def test_the_openai_accumulator_folds_the_stream_into_the_whole_answers_calls(mode):
+    choice = {"type": "function", "function": {"name": "add"}} if mode == "named" else mode
+    plan = plan_tools(_body(tool_choice=choice), "hermes", None)
+    assert plan is not None
+    text = ANSWERS[mode]
+    pieces = [text[i : i + 3] for i in range(0, len(text), 3)]
+    whole, reason = shape_message(plan, "chatcmpl-1", 0, text, text, "stop")
+    folded = _official_accumulation(plan, pieces, text)
+    assert folded.finish_reason == reason
+    got = [(c.id, c.function.name, c.function.arguments) for c in folded.message.tool_calls]
+    want = [
+        (c["id"], c["function"]["name"], c["function"]["arguments"]) for c in whole["tool_calls"]
+    ]
+    assert got == want
