@@ -116,7 +116,7 @@ class LLMEngine:
             self.eos_token_ids,
             self.config.seed,
             load_paged_decode_attention() if self.config.native_kernels else None,
-            GuidedMatchers(self.tokenizer.to_json(), mc.vocab_size, self.eos_token_ids),
+            GuidedMatchers(self.tokenizer.to_json, mc.vocab_size, self.eos_token_ids),
         )
         self.limits = IntakeLimits(
             self.max_model_len,

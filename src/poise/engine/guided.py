@@ -15,6 +15,7 @@ allow) fails its request with the reason, never the step: the other rows sample 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -23,6 +24,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from poise.engine.grammar_check import short_error as _short
 from poise.engine.structured import GuidedDecoding
 
 if TYPE_CHECKING:
@@ -84,8 +86,10 @@ def apply_grammar(logits: torch.Tensor, masks: StepMasks) -> torch.Tensor:
 
 
 class GuidedMatchers:
-    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: frozenset[int]):
-        self._tokenizer_json = tokenizer_json
+    def __init__(
+        self, tokenizer_json: Callable[[], str], vocab_size: int, eos_token_ids: frozenset[int]
+    ):
+        self._tokenizer_json = tokenizer_json  # called on the first constrained request
         self.vocab_size = vocab_size
         self._eos = sorted(t for t in eos_token_ids if t < vocab_size)
         # One worker: builds and mask computations run in submission order, so a request's
@@ -94,13 +98,20 @@ class GuidedMatchers:
         self._tokenizer: LLTokenizer | None = None
         self._executor: LLExecutor | None = None
         self._templates: OrderedDict[str, LLMatcher] = OrderedDict()
-        self._matchers: dict[str, Future[LLMatcher]] = {}
+        self._matchers: dict[str, Future[LLMatcher | str]] = {}
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._matchers
 
     def start(self, request_id: str, guided: GuidedDecoding, produced: list[int]) -> None:
-        self._matchers[request_id] = self._pool.submit(self._build, guided.grammar, list(produced))
+        self._matchers[request_id] = self._pool.submit(self._built, guided.grammar, list(produced))
+
+    def _built(self, grammar: str, produced: list[int]) -> LLMatcher | str:
+        """The matcher, or why it could not be built: its request fails, not the step."""
+        try:
+            return self._build(grammar, produced)
+        except BaseException as exc:  # a Rust panic is a BaseException
+            return f"structured output failed: {_short(f'{type(exc).__name__}: {exc}')}"
 
     def forget(self, request_ids: list[str]) -> None:
         for rid in request_ids:
@@ -112,7 +123,7 @@ class GuidedMatchers:
         if self._tokenizer is None:
             # Built on the first constrained request: a replica that never gets one pays nothing.
             self._tokenizer = LLTokenizer(
-                self._tokenizer_json, n_vocab=self.vocab_size, eos_token=self._eos or None
+                self._tokenizer_json(), n_vocab=self.vocab_size, eos_token=self._eos or None
             )
             self._executor = LLExecutor()
         template = self._templates.get(grammar)
@@ -136,14 +147,17 @@ class GuidedMatchers:
             return None
         return self._pool.submit(self._fill, [(i, self._matchers[rid], rid) for i, rid in wanted])
 
-    def _fill(self, rows: list[tuple[int, Future[LLMatcher], str]]) -> StepMasks:
+    def _fill(self, rows: list[tuple[int, Future[LLMatcher | str], str]]) -> StepMasks:
         masks = StepMasks()
         live: list[tuple[LLMatcher, int]] = []
         order: list[int] = []
         for i, future, rid in rows:
             matcher = future.result()  # built earlier by this same worker
+            if isinstance(matcher, str):
+                masks.failed[rid] = matcher
+                continue
             if matcher.is_error():
-                masks.failed[rid] = f"structured output failed: {matcher.get_error()}"
+                masks.failed[rid] = f"structured output failed: {_short(matcher.get_error())}"
                 continue
             live.append((matcher, len(order)))
             order.append(i)
@@ -164,10 +178,10 @@ class GuidedMatchers:
         if future is None:
             return None
         matcher = future.result()
-        if matcher.is_error():
-            return f"structured output failed: {matcher.get_error()}"
-        if not matcher.consume_token(token_id):
-            return f"structured output failed: {matcher.get_error()}"
+        if isinstance(matcher, str):
+            return matcher
+        if matcher.is_error() or not matcher.consume_token(token_id):
+            return f"structured output failed: {_short(matcher.get_error())}"
         return "ended" if matcher.is_stopped() else None
 
     def close(self) -> None:

@@ -7,6 +7,7 @@ validates and tokenizes on its own side and refuses bad input without a round tr
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -14,7 +15,9 @@ from dataclasses import dataclass, field
 
 from poise.engine.errors import InvalidRequestError, RequestTooLargeError
 from poise.engine.generation_config import SamplingDefaults
+from poise.engine.grammar_check import GrammarChecker
 from poise.engine.request import Request, SamplingParams
+from poise.engine.structured import GuidedDecoding
 from poise.engine.tokenizer import Tokenizer
 
 
@@ -75,6 +78,26 @@ class RequestFactory:
         self.tokenizer = tokenizer
         self.limits = limits
         self.clock = clock
+        self._checker: GrammarChecker | None = None
+        self._checker_lock = threading.Lock()
+
+    def grammar_checker(self) -> GrammarChecker:
+        """Started on the first constrained request: a server that gets none pays nothing."""
+        with self._checker_lock:
+            if self._checker is None:
+                lim = self.limits
+                eos = sorted(t for t in lim.eos_token_ids if t < lim.vocab_size)
+                self._checker = GrammarChecker(self.tokenizer.to_json(), lim.vocab_size, eos)
+            return self._checker
+
+    def check_guided(self, guided: GuidedDecoding) -> None:
+        """Raises the 400 for a constraint the grammar engine cannot start (cached verdicts);
+        blocks up to the checker's time limit on a grammar it has not seen."""
+        problem = self.grammar_checker().check(guided.grammar)
+        if problem is not None:
+            raise InvalidRequestError(
+                f"{guided.param} cannot be enforced: {problem}", param=guided.param
+            )
 
     def prepare(
         self, prompt: str | list[int], options: RequestOptions
@@ -82,6 +105,8 @@ class RequestFactory:
         """The request and its prompt's text (None for token ids); raises on bad input."""
         lim = self.limits
         sampling = options.sampling
+        if sampling.guided is not None:
+            self.check_guided(sampling.guided)
         if isinstance(prompt, str):
             text: str | None = prompt
             ids = self.tokenizer.encode(prompt, add_special_tokens=options.add_special_tokens)

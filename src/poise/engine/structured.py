@@ -2,9 +2,8 @@
 
 The grammar engine is llguidance (guidance-ai), the one vLLM's ``guidance`` backend and SGLang
 use, rather than xgrammar: it computes each token mask on demand from an Earley parser over a
-lexer, so a schema costs no ahead-of-time compilation (a new schema starts at once, and a
-pathological one is bounded by per-step fuel rather than by a compile that can take seconds),
-its masks for a whole batch are computed in parallel outside the GIL, and it installs as one
+lexer, so a typical schema costs no ahead-of-time compilation (a new one starts in
+milliseconds; the pathological ones are caught by ``grammar_check``), its masks for a whole batch are computed in parallel outside the GIL, and it installs as one
 self-contained wheel (xgrammar pulls in triton and transformers). It takes JSON schemas, regular
 expressions, Lark grammars (and GBNF, converted) and choices, which is every request format
 OpenAI and vLLM define.
@@ -13,9 +12,12 @@ JSON is compiled without free whitespace (``,`` and ``:`` as separators, nothing
 tokens): with whitespace allowed anywhere, a model may spend all of ``max_tokens`` on it (a
 random-weight model did, here), and the answer never closes. Unknown schema keywords are
 refused, not ignored (``lenient`` off): a constraint poise cannot enforce is a 400 naming it.
+Keywords no JSON Schema version defines are ignored, as the JSON Schema specification says.
 
-Compilation runs at intake, in the front end's process, before the request is queued, and is
-cached by its source; the engine core only builds a matcher from the compiled text.
+The grammar's text is made at intake, in the front end's process, and cached by its source;
+``grammar_check`` then compiles it, builds a matcher and computes a first mask in a child
+process, within a time limit, before the request is queued (a crash or a timeout there is the
+request's 400). The engine core builds its matcher from the same text.
 """
 
 from __future__ import annotations
@@ -68,14 +70,10 @@ def _grammar_for(kind: GuidedKind, source: str) -> str:
 
 @lru_cache(maxsize=_CACHED)
 def _compile(kind: GuidedKind, source: str) -> str:
-    """The grammar, or ValueError saying what is wrong with the source."""
-    from llguidance import LLMatcher
-
-    grammar = _grammar_for(kind, source)
-    failed, messages = LLMatcher.validate_grammar_with_warnings(grammar)
-    if failed:
-        raise ValueError(messages[0].strip() if messages else "the grammar does not compile")
-    return grammar
+    """The grammar's text, or ValueError saying what is wrong with the source. Not yet
+    validated: that runs the grammar compiler, which ``grammar_check`` keeps in a child
+    process (a schema of chained $refs overflows its stack)."""
+    return _grammar_for(kind, source)
 
 
 def compile_guided(kind: GuidedKind, source: Any, param: str) -> GuidedDecoding:

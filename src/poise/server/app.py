@@ -55,6 +55,7 @@ from poise.server.openai_api import (
     create_completion,
 )
 from poise.server.replica import Phase, Replica
+from poise.server.structured_request import check_constraint
 from poise.server.tokenize_api import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
 
 log = logging.getLogger("poise.server")
@@ -303,6 +304,7 @@ def create_app(
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         replica = state.require()
+        await check_constraint(replica.engine.intake, body)
         return await respond(
             request, body, lambda: create_completion(replica, body, request.headers)
         )
@@ -310,6 +312,7 @@ def create_app(
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         replica = state.require()
+        await check_constraint(replica.engine.intake, body)
         return await respond(
             request, body, lambda: create_chat_completion(replica, body, request.headers)
         )

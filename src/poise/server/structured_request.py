@@ -9,11 +9,14 @@ A constraint that does not compile is a 400 naming its field, before the request
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from poise.engine.errors import InvalidRequestError
+from poise.engine.intake import RequestFactory
 from poise.engine.structured import GuidedDecoding, GuidedKind, compile_guided
 from poise.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from poise.server.tool_calls import plan_tools, tool_guided
 
 
 def _asked(body: CompletionRequest | ChatCompletionRequest) -> list[tuple[GuidedKind, Any, str]]:
@@ -94,3 +97,39 @@ def logit_bias_for(body: CompletionRequest | ChatCompletionRequest) -> dict[int,
             ) from None
         out[token] = value
     return out
+
+
+def constraint_of(body: CompletionRequest | ChatCompletionRequest) -> GuidedDecoding | None:
+    """The constraint the request will run under, for checking it before planning; None when
+    it has none or the planning will refuse it anyway (with its own 400)."""
+    try:
+        forced = None
+        if (
+            isinstance(body, ChatCompletionRequest)
+            and body.tools
+            and body.tool_choice
+            not in (
+                None,
+                "auto",
+                "none",
+            )
+        ):
+            plan = plan_tools(body, None, None)
+            forced = None if plan is None else tool_guided(plan)
+        return guided_for(body, forced)
+    except (APIError, InvalidRequestError):
+        return None
+
+
+async def check_constraint(
+    intake: RequestFactory, body: CompletionRequest | ChatCompletionRequest
+) -> None:
+    """A new constraint tried by the grammar checker off the event loop (up to its time limit);
+    the planning that follows finds the verdict cached. Raises the 400 of one that fails."""
+    guided = constraint_of(body)
+    if guided is None:
+        return
+    try:
+        await asyncio.to_thread(intake.check_guided, guided)
+    except InvalidRequestError as exc:
+        raise APIError(400, str(exc), param=exc.param) from exc

@@ -314,3 +314,47 @@ def test_a_resumed_constrained_stream_continues_the_same_grammar(server):
     rest, _ = _stream_events(url, {**body, "poise_resume": {"token_ids": ids, "text_chars": chars}})
     assert whole[:chars] + rest == whole
     jsonschema.validate(json.loads(whole), schema)
+
+
+def _ref_chain(links: int) -> dict:
+    defs = {
+        f"d{i}": {"type": "object", "properties": {"x": {"$ref": f"#/$defs/d{i + 1}"}}}
+        for i in range(links)
+    }
+    defs[f"d{links}"] = {"type": "string"}
+    return {"$defs": defs, "$ref": "#/$defs/d0"}
+
+
+@pytest.mark.parametrize(
+    "extra, param",
+    [
+        # A thousand $ref links overflowed the grammar compiler's stack: SIGSEGV, server gone.
+        ({"guided_json": _ref_chain(1000)}, "guided_json"),
+        (
+            {
+                "guided_grammar": "start: r0\n"
+                + "".join(f"r{i}: r{i + 1}\n" for i in range(5000))
+                + 'r5000: "a"\n'
+            },
+            "guided_grammar",
+        ),
+        # Valid, but its first mask takes seconds to build.
+        ({"guided_regex": "(a{1000}){1000}"}, "guided_regex"),
+    ],
+)
+def test_a_constraint_that_would_crash_or_stall_the_engine_is_a_400(server, extra, param):
+    r = httpx.post(
+        server.url + "/v1/completions",
+        json={"model": "m", "prompt": "x", "max_tokens": 5, **extra},
+        timeout=60,
+    )
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+    assert len(r.json()["error"]["message"]) < 500
+    assert server.proc.poll() is None
+    ok = httpx.post(
+        server.url + "/v1/completions",
+        json={"model": "m", "prompt": "x", "max_tokens": 5, "guided_choice": ["yes", "no"]},
+        timeout=60,
+    )
+    assert ok.status_code == 200 and ok.json()["choices"][0]["text"] in ("yes", "no")
