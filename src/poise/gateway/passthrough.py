@@ -89,7 +89,14 @@ _MAX_OUTPUT_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens"
 
 
 def passes_through(path: str) -> bool:
-    """A path forwarded by this module, unless a route of its own (completions) takes it first."""
+    """A path forwarded by this module, unless a route of its own (completions) takes it first.
+
+    ``path`` is the decoded one. A path with an empty, ``.`` or ``..`` segment (``%2e%2e``
+    decodes to one) is no route: the URL the backend is sent would resolve it, and
+    ``/v1/../admin/faults`` would reach the replica's own routes with the gateway's key."""
+    segments = path.split("/")[1:]
+    if any(part in ("", ".", "..") for part in segments):
+        return False
     return (path.startswith("/v1/") and path not in OWN_ROUTES) or path in ROOT_ROUTES
 
 

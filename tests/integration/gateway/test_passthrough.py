@@ -10,6 +10,7 @@ the tests drive it with plain HTTP clients.
 from __future__ import annotations
 
 import asyncio
+import http.client
 import json
 import threading
 import time
@@ -384,3 +385,31 @@ def test_metrics_count_each_route(start: Start):
     assert count(route="/v1/responses/{id}", model="m", outcome="ok") == 1  # an id is no label
     assert count(route="/v1/embeddings", outcome="client_error") == 1
     assert g.metric("poise_gateway_request_duration_seconds_count", route="/v1/embeddings") == 2
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/v1/../debug/state",
+        "/v1/%2e%2e/admin/faults",
+        "/v1/models/../../version",
+        "/v1/./../metrics",
+        "/v1//embeddings",
+        "/v1/./chat/completions",
+    ],
+)
+def test_a_path_that_climbs_out_of_v1_reaches_no_backend(start: Start, path: str):
+    """The URL sent to a backend would resolve dot segments: such a path would reach the
+    replica's own routes carrying the gateway's key to it. Sent raw (httpx would resolve)."""
+    g, (m,), _ = start()
+    host, port = g.url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=10)
+    try:
+        conn.request(
+            "POST", path, body=b'{"model": "m"}', headers={"Content-Type": "application/json"}
+        )
+        status = conn.getresponse().status
+    finally:
+        conn.close()
+    assert status == 404
+    assert m.seen == []
