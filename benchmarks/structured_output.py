@@ -55,7 +55,11 @@ def run(llm: LLM, w: Workload, constrained: bool) -> dict[str, float]:
     stamps: dict[str, list[float]] = {}
     t0 = time.perf_counter()
     for i, (prompt, out) in enumerate(zip(w.prompts, w.output_lens, strict=True)):
-        sp = SamplingParams(temperature=0, max_tokens=out, ignore_eos=True, guided=guided)
+        # The schema cannot end before max_tokens, so its grammar never allows the end of
+        # sequence: ignore_eos (which structured output refuses) is not needed for the length.
+        sp = SamplingParams(
+            temperature=0, max_tokens=out, ignore_eos=not constrained, guided=guided
+        )
         rid = f"w1-{int(constrained)}-{i}"
         request, _ = engine.prepare_request(prompt, RequestOptions(sp, request_id=rid))
         engine.add_request(request)

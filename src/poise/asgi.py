@@ -117,7 +117,8 @@ class EventStreamResponse(Response):
 RECEIVED_AT = "poise.received_at"  # scope key: when the request reached the app (perf_counter)
 
 
-PROTECTED_PREFIXES = ("/v1/", "/debug/")  # what an API key guards when keys are set
+# What an API key guards when keys are set (vLLM's /tokenize and /detokenize too).
+PROTECTED_PREFIXES = ("/v1/", "/debug/", "/tokenize", "/detokenize")
 
 
 def is_json_type(content_type: bytes) -> bool:

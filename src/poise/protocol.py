@@ -11,6 +11,7 @@ OpenAI refuses it, rather than ignored as vLLM does: a client that sets ``logit_
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Any, Literal
@@ -236,6 +237,17 @@ class ContentPart(BaseModel):
     text: str | None = None
 
 
+def _decoded_arguments(call: dict[str, Any]) -> dict[str, Any]:
+    function = call.get("function")
+    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+        return call
+    try:
+        arguments = json.loads(function["arguments"])
+    except ValueError:
+        return call  # not JSON: the template gets the text as it came
+    return {**call, "function": {**function, "arguments": arguments}}
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "developer", "user", "assistant", "tool"]
@@ -252,13 +264,17 @@ class ChatMessage(BaseModel):
         """The message as its chat template sees it: the fields the client sent, text joined.
 
         None fields are left out, as transformers leaves them out: templates test for a missing
-        key, and many would print "None".
+        key, and many would print "None". A tool call's ``arguments``, JSON text on OpenAI's
+        wire, reach the template as the object they encode, as vLLM passes them: templates
+        write them with ``tojson``, which would encode the text a second time.
         """
         out: dict[str, Any] = {}
         for field in type(self).model_fields:
             value = getattr(self, field)
             if field in self.model_fields_set and value is not None:
                 out[field] = self.text() if field == "content" else value
+        if self.tool_calls:
+            out["tool_calls"] = [_decoded_arguments(c) for c in self.tool_calls]
         return out
 
     def text(self) -> str:

@@ -128,6 +128,12 @@ class SamplingParams:
         if self.guided is not None and self.min_tokens > 0:
             # Ending may be the only thing the grammar allows; min_tokens would forbid it.
             raise bad("min_tokens", "cannot be combined with structured output")
+        if self.guided is not None and self.ignore_eos:
+            # A complete answer ends the request: there is nothing left to generate past it.
+            raise bad("ignore_eos", "cannot be combined with structured output")
+        if self.guided is not None and self.logit_bias:
+            # It may ban every token the grammar allows, which leaves nothing to sample.
+            raise bad("logit_bias", "cannot be combined with structured output")
 
     @property
     def greedy(self) -> bool:

@@ -22,6 +22,9 @@ import torch
 
 from poise.engine.request import SamplingParams
 
+# A banned token's logprob (-inf, a grammar's mask) as vLLM clamps it: JSON has no infinity.
+MIN_LOGPROB = -9999.0
+
 
 @dataclass(frozen=True, slots=True)
 class SampleRow:
@@ -60,9 +63,13 @@ def _apply_penalties(
 def _add_bias(logits: torch.Tensor, bias: dict[int, float]) -> None:
     """OpenAI's logit_bias, added to the logits; -100 bans a token, as OpenAI's does in effect."""
     vocab = logits.shape[-1]
-    for token, value in bias.items():
-        if token < vocab:
-            logits[token] = float("-inf") if value <= -100.0 else logits[token] + value
+    kept = [(t, v) for t, v in bias.items() if t < vocab]
+    if not kept:
+        return
+    at = torch.tensor([t for t, _ in kept], dtype=torch.long)
+    values = torch.tensor([v for _, v in kept], dtype=logits.dtype)
+    values = values.masked_fill(values <= -100.0, float("-inf"))
+    logits.index_add_(0, at, values)
 
 
 def _finite(logits: torch.Tensor) -> torch.Tensor:
@@ -143,10 +150,10 @@ def sample(logits: torch.Tensor, rows: Sequence[SampleRow], eos: frozenset[int])
     for i, row in enumerate(rows):
         lp = None
         if raw_logprobs is not None and row.sampling.logprobs is not None:
-            lp = {tokens[i]: float(raw_logprobs[i, tokens[i]])}
+            lp = {tokens[i]: max(float(raw_logprobs[i, tokens[i]]), MIN_LOGPROB)}
             if row.sampling.logprobs:
                 top = torch.topk(raw_logprobs[i], row.sampling.logprobs)
                 for v, t in zip(top.values.tolist(), top.indices.tolist(), strict=True):
-                    lp.setdefault(t, v)
+                    lp.setdefault(t, max(v, MIN_LOGPROB))
         out.append(Sampled(tokens[i], lp))
     return out

@@ -3,10 +3,11 @@
 The grammar engine is llguidance (guidance-ai), the one vLLM's ``guidance`` backend and SGLang
 use, rather than xgrammar: it computes each token mask on demand from an Earley parser over a
 lexer, so a typical schema costs no ahead-of-time compilation (a new one starts in
-milliseconds; the pathological ones are caught by ``grammar_check``), its masks for a whole batch are computed in parallel outside the GIL, and it installs as one
-self-contained wheel (xgrammar pulls in triton and transformers). It takes JSON schemas, regular
-expressions, Lark grammars (and GBNF, converted) and choices, which is every request format
-OpenAI and vLLM define.
+milliseconds; the pathological ones are caught by ``grammar_check``), its masks for a whole
+batch are computed in parallel outside the GIL, and it installs as one self-contained wheel
+(xgrammar pulls in triton and transformers). It takes JSON schemas, regular expressions, Lark
+grammars (and GBNF, converted) and choices, which is every request format OpenAI and vLLM
+define.
 
 JSON is compiled without free whitespace (``,`` and ``:`` as separators, nothing between
 tokens): with whitespace allowed anywhere, a model may spend all of ``max_tokens`` on it (a

@@ -22,6 +22,12 @@ from poise.server.tool_calls import plan_tools, tool_guided
 def _asked(body: CompletionRequest | ChatCompletionRequest) -> list[tuple[GuidedKind, Any, str]]:
     asked: list[tuple[GuidedKind, Any, str]] = []
     fmt = body.response_format
+    if fmt is not None and fmt.type != "json_schema" and fmt.json_schema is not None:
+        raise APIError(
+            400,
+            f'response_format of type "{fmt.type}" takes no json_schema (use "json_schema")',
+            param="response_format.json_schema",
+        )
     if fmt is not None and fmt.type == "json_object":
         asked.append(("json_object", {"type": "object"}, "response_format"))
     elif fmt is not None and fmt.type == "json_schema":

@@ -4,8 +4,9 @@ answer is shaped as OpenAI's ``tool_calls``, whole or streamed.
 - ``none``: tools reach the chat template, the answer is content.
 - a named function: the answer is that function's arguments, forced by structured output
   against its ``parameters`` schema (OpenAI answers these with ``finish_reason: "stop"``).
-- ``required``: the answer is a JSON list of ``{"name", "parameters"}``, at least one (exactly
-  one without ``parallel_tool_calls``), forced against the tools' schemas, as vLLM forces it.
+- ``required``: the answer is a JSON list of ``{"name", "parameters"}``, forced against the
+  tools' schemas as vLLM forces it: one to ``MAX_PARALLEL_CALLS`` calls (exactly one without
+  ``parallel_tool_calls``).
 - ``auto`` (the default with tools): the model's own format, read by the parser of its family
   (``tool_parsers``). Content streams until a call may be starting; from there the answer is
   held and parsed when it ends.
@@ -30,6 +31,9 @@ from poise.protocol import ChatCompletionRequest, Tool
 from poise.server.tool_parsers import MARKERS, PARSE, Parsed, ParsedCall, detect_parser
 
 ToolMode = Literal["none", "auto", "required", "named"]
+# Calls in one forced answer: a bound, so that a model that would go on listing calls (a
+# random-weight one does) still ends its list, and its answer parses, within max_tokens.
+MAX_PARALLEL_CALLS = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +53,10 @@ def plan_tools(
     if not body.tools:
         if choice not in (None, "none"):
             raise InvalidRequestError("tool_choice needs tools", param="tool_choice")
+        if body.parallel_tool_calls is not None:
+            raise InvalidRequestError(
+                "parallel_tool_calls needs tools", param="parallel_tool_calls"
+            )
         return None
     names = [t.function.name for t in body.tools]
     if len(set(names)) != len(names):
@@ -101,9 +109,12 @@ def tool_guided(plan: ToolPlan) -> GuidedDecoding | None:
         }
         for t in plan.tools
     ]
-    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": call}}
-    if not plan.parallel:
-        schema["maxItems"] = 1
+    schema: dict[str, Any] = {
+        "type": "array",
+        "minItems": 1,
+        "maxItems": MAX_PARALLEL_CALLS if plan.parallel else 1,
+        "items": {"anyOf": call},
+    }
     return compile_guided("json_schema", schema, "tools")
 
 
@@ -136,7 +147,9 @@ def parse_answer(plan: ToolPlan, text: str, text_with_specials: str) -> Parsed:
     if plan.mode == "auto":
         assert plan.parser is not None
         parsed = PARSE[plan.parser](text_with_specials)
-        if not parsed.calls:
+        names = {t.function.name for t in plan.tools}
+        if not parsed.calls or any(c.name not in names for c in parsed.calls):
+            # A call of a function the request did not offer is no call: the text is content.
             return Parsed(text, [])
         calls = parsed.calls if plan.parallel else parsed.calls[:1]
         return Parsed(parsed.content, calls)

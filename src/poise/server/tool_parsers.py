@@ -36,9 +36,13 @@ class Parsed:
 
 
 def _call_from(obj: object, arguments_key: str) -> ParsedCall | None:
+    """A call has a name and its arguments (an object, or JSON text of one), as vLLM's parsers
+    require: ``{"name": "Bob", "age": 3}`` is an answer that is JSON, not a call."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
-    args = obj.get(arguments_key, obj.get("arguments", {}))
+    if arguments_key not in obj and "arguments" not in obj:
+        return None
+    args = obj.get(arguments_key, obj.get("arguments"))
     if isinstance(args, str):  # some models write the arguments as JSON text
         try:
             args = json.loads(args)

@@ -234,6 +234,13 @@ def test_stop_strings_still_cut_a_constrained_answer(client):
         ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
         ({"response_format": {"type": "xml"}}, "response_format.type"),
         ({"guided_json": {"type": "object"}, "min_tokens": 2}, "min_tokens"),
+        (
+            {"response_format": {"type": "text", "json_schema": {"name": "x", "schema": {}}}},
+            "response_format.json_schema",
+        ),
+        ({"guided_choice": ["a", "b"], "ignore_eos": True}, "ignore_eos"),
+        ({"guided_choice": ["a", "b"], "logit_bias": {"5": 3}}, "logit_bias"),
+        ({"parallel_tool_calls": False}, "parallel_tool_calls"),
         # Tools with the default tool_choice "auto", and no tool-call format known: told so.
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),
     ],
@@ -358,3 +365,26 @@ def test_a_constraint_that_would_crash_or_stall_the_engine_is_a_400(server, extr
         timeout=60,
     )
     assert ok.status_code == 200 and ok.json()["choices"][0]["text"] in ("yes", "no")
+
+
+def test_logprobs_of_a_constrained_answer_are_finite_json(server):
+    """Tokens the grammar bans have logprob -inf: clamped (as vLLM's), since JSON has none."""
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "yes or no?"}],
+        "logprobs": True,
+        "top_logprobs": 5,
+        "guided_choice": ["yes", "no"],
+        "max_tokens": 10,
+    }
+    for stream in (False, True):
+        r = httpx.post(
+            server.url + "/v1/chat/completions", json={**body, "stream": stream}, timeout=60
+        )
+        assert r.status_code == 200, r.text
+        assert "Infinity" not in r.text and "NaN" not in r.text
+    whole = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60).json()
+    entries = whole["choices"][0]["logprobs"]["content"]
+    assert entries and all(
+        -9999.0 <= alt["logprob"] <= 0 for e in entries for alt in e["top_logprobs"]
+    )

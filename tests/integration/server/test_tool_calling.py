@@ -102,6 +102,23 @@ def test_required_tool_calls_parse_and_validate_whole_and_streamed(client, tempe
     ]
 
 
+def test_required_as_it_comes_gives_valid_calls_even_from_a_random_model(client):
+    """The issue's call as written: parallel calls allowed, so the forced list is bounded
+    (MAX_PARALLEL_CALLS) and a model that would list calls forever still ends it."""
+    r = client.chat.completions.create(
+        model="m",
+        messages=MESSAGES,
+        tools=TOOLS,
+        tool_choice="required",
+        max_tokens=900,
+        temperature=0,
+    )
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    assert 1 <= len(choice.message.tool_calls) <= 8
+    _check_calls(choice.message.tool_calls)
+
+
 def test_without_parallel_calls_required_gives_exactly_one_in_each_choice(client):
     r = client.chat.completions.create(
         model="m",

@@ -209,3 +209,38 @@ def test_the_openai_accumulator_folds_the_stream_into_the_whole_answers_calls(mo
         (c["id"], c["function"]["name"], c["function"]["arguments"]) for c in whole["tool_calls"]
     ]
     assert got == want
+
+
+def test_json_that_is_no_call_and_calls_of_functions_not_offered_stay_content():
+    assert parse_llama3_json('{"name": "Bob", "age": 3}').calls == []
+    plan = plan_tools(_body(), "hermes", None)
+    assert plan is not None
+    text = '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>'
+    message, reason = shape_message(plan, "id", 0, text, text, "stop")
+    assert message["content"] == text and "tool_calls" not in message and reason == "stop"
+
+
+def test_tool_call_arguments_reach_the_template_as_objects_not_text_again():
+    message = ChatCompletionRequest(
+        messages=[
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [
+                    {
+                        "id": "c",
+                        "type": "function",
+                        "function": {"name": "add", "arguments": '{"a": 1}'},
+                    },
+                    {
+                        "id": "d",
+                        "type": "function",
+                        "function": {"name": "add", "arguments": "not json"},
+                    },
+                ],
+            }
+        ]
+    ).messages[0]
+    calls = message.template_dict()["tool_calls"]
+    assert calls[0]["function"]["arguments"] == {"a": 1}
+    assert calls[1]["function"]["arguments"] == "not json"
