@@ -1,8 +1,9 @@
 """The engine core's side of structured output: a grammar matcher per constrained request.
 
 A matcher is built in a worker thread when its request is added, from a template per grammar
-(deep copies are microseconds; a first build of a large grammar can take longer, and never in
-the step loop), and it first consumes the tokens its request already has, so a request resumed
+(deep copies are microseconds; the first build of a grammar takes what the front end's
+``grammar_check`` allowed it, at most about a second, and a step that samples the request
+before its build is done waits for it), and it first consumes the tokens its request already has, so a request resumed
 from another replica's tokens, or computed again after preemption, goes on from the same parser
 state. Each step the masks of the batch's constrained rows are computed by llguidance's parallel
 executor in the same worker thread while the model's forward pass runs, and applied to the

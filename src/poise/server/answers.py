@@ -52,9 +52,9 @@ class Call:
     def tool_stream(self, index: int) -> ToolStream | None:
         if self.tools is None:
             return None
-        marker = None
-        if self.tools.parser == "mistral":
-            marker = self.replica.engine.tokenizer.token_to_id("[TOOL_CALLS]")
+        # A marker that is a special token is dropped from the streamed text: seen by its id.
+        words = {"mistral": "[TOOL_CALLS]", "hermes": "<tool_call>"}.get(self.tools.parser or "")
+        marker = None if words is None else self.replica.engine.tokenizer.token_to_id(words)
         stream = ToolStream(self.tools, self.response_id, index, marker)
         if self.resumed:  # what the client has: the same state as the stream it continues
             request = self.group[index].request

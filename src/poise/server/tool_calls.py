@@ -213,12 +213,16 @@ class ToolStream:
             return out
         if mode == "required":
             return []  # a list of calls: shaped once it is whole
-        if self.marker_token is not None and self.marker_token in delta_ids:
-            self.holding = True
-        if self.holding:
-            return []
         assert self.plan.parser is not None
         marker = MARKERS[self.plan.parser]
+        if (
+            self.marker_token is not None
+            and self.marker_token in delta_ids
+            and marker not in self.text
+        ):
+            self.holding = True  # the marker is a special token, absent from the text
+        if self.holding:
+            return []
         if self.plan.parser == "llama3_json":
             # Its calls are the whole answer: one that starts as JSON is held.
             if self.text.lstrip().startswith(marker):
