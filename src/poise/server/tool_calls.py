@@ -9,7 +9,8 @@ answer is shaped as OpenAI's ``tool_calls``, whole or streamed.
   ``parallel_tool_calls``).
 - ``auto`` (the default with tools): the model's own format, read by the parser of its family
   (``tool_parsers``). Content streams until a call may be starting; from there the answer is
-  held and parsed when it ends.
+  held and parsed when it ends. A call of a ``strict`` tool whose arguments break its schema,
+  or of a function not offered, is no call: the answer is content.
 
 Streamed calls go out as OpenAI streams them: a first fragment with the call's index, id, type,
 name and empty arguments, then arguments fragments. A call's id derives from the response id and
@@ -24,6 +25,8 @@ import hashlib
 import json
 from dataclasses import dataclass
 from typing import Any, Literal
+
+import jsonschema
 
 from poise.engine.errors import InvalidRequestError
 from poise.engine.structured import GuidedDecoding, compile_guided
@@ -118,6 +121,18 @@ def tool_guided(plan: ToolPlan) -> GuidedDecoding | None:
     return compile_guided("json_schema", schema, "tools")
 
 
+def _strictly_valid(tool: Tool, call: ParsedCall) -> bool:
+    """A ``strict`` tool's calls match its parameters: what auto mode cannot force, it checks
+    (forced modes hold every tool to its schema anyway)."""
+    if not tool.function.strict:
+        return True
+    try:
+        jsonschema.validate(json.loads(call.arguments), _parameters(tool))
+    except (ValueError, jsonschema.ValidationError, jsonschema.SchemaError):
+        return False
+    return True
+
+
 def call_id(response_id: str, choice: int, k: int) -> str:
     digest = hashlib.sha256(f"{response_id}:{choice}:{k}".encode()).hexdigest()
     return "call_" + digest[:24]
@@ -147,9 +162,12 @@ def parse_answer(plan: ToolPlan, text: str, text_with_specials: str) -> Parsed:
     if plan.mode == "auto":
         assert plan.parser is not None
         parsed = PARSE[plan.parser](text_with_specials)
-        names = {t.function.name for t in plan.tools}
-        if not parsed.calls or any(c.name not in names for c in parsed.calls):
-            # A call of a function the request did not offer is no call: the text is content.
+        tools = {t.function.name: t for t in plan.tools}
+        if not parsed.calls or any(
+            c.name not in tools or not _strictly_valid(tools[c.name], c) for c in parsed.calls
+        ):
+            # A call of a function the request did not offer, or one whose arguments break a
+            # strict tool's schema, is no call: the text is content.
             return Parsed(text, [])
         calls = parsed.calls if plan.parallel else parsed.calls[:1]
         return Parsed(parsed.content, calls)

@@ -252,3 +252,29 @@ def test_a_marker_that_is_a_special_token_holds_the_stream_by_its_id():
     with_specials = 'Sure. <tool_call>{"name": "add", "arguments": {}}</tool_call>'
     deltas, reason = stream.finish(with_specials, "stop")
     assert reason == "tool_calls" and not any("content" in d for d in deltas)
+
+
+def test_auto_holds_a_strict_tools_calls_to_its_schema():
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "add",
+                "strict": True,
+                "parameters": {
+                    "type": "object",
+                    "properties": {"a": {"type": "integer"}},
+                    "required": ["a"],
+                    "additionalProperties": False,
+                },
+            },
+        }
+    ]
+    body = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], tools=tools)
+    plan = plan_tools(body, "hermes", None)
+    assert plan is not None
+    good = '<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>'
+    bad = '<tool_call>{"name": "add", "arguments": {"a": "one"}}</tool_call>'
+    assert shape_message(plan, "id", 0, good, good, "stop")[1] == "tool_calls"
+    message, reason = shape_message(plan, "id", 0, bad, bad, "stop")
+    assert reason == "stop" and "tool_calls" not in message and message["content"] == bad
