@@ -3,11 +3,12 @@
 A matcher is built in a worker thread when its request is added, from a template per grammar
 (deep copies are microseconds; the first build of a grammar takes what the front end's
 ``grammar_check`` allowed it, at most about a second, and a step that samples the request
-before its build is done waits for it), and it first consumes the tokens its request already has, so a request resumed
-from another replica's tokens, or computed again after preemption, goes on from the same parser
-state. Each step the masks of the batch's constrained rows are computed by llguidance's parallel
-executor in the same worker thread while the model's forward pass runs, and applied to the
-logits on their own device before sampling; after sampling each matcher consumes its token.
+before its build is done waits for it). It first consumes the tokens its request already has,
+so a request resumed from another replica's tokens, or computed again after preemption, goes
+on from the same parser state. Each step the masks of the batch's constrained rows are
+computed by llguidance's parallel executor in the same worker thread while the model's forward
+pass runs, and applied to the logits on their own device before sampling; after sampling each
+matcher consumes its token.
 
 A matcher that fails (its grammar exceeds llguidance's limits, or it was fed a token it does not
 allow) fails its request with the reason, never the step: the other rows sample as usual.
