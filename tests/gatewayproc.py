@@ -11,6 +11,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import httpx
 import yaml
 
 from poise.launcher import free_port, stop_process, wait_ready
@@ -73,3 +74,15 @@ def gateways_before(
             if r.proc.poll() is None:
                 os.kill(r.proc.pid, signal.SIGCONT)
                 r.faults(step_delay_s=0, fail_steps=0, error_status=0)
+
+
+def gateway_metric(url: str, name: str, **labels: str) -> float:
+    """Sum of a metric over the series whose labels include ``labels`` (0 when none)."""
+    text = httpx.get(url + "/metrics", timeout=5).text
+    total = 0.0
+    for line in text.splitlines():
+        head, _, value = line.rpartition(" ")
+        series, _, rest = head.partition("{")
+        if series == name and all(f'{k}="{v}"' in rest for k, v in labels.items()):
+            total += float(value)
+    return total

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import math
 import os
-import re
 import signal
 import statistics
 import time
@@ -15,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from gatewayproc import GatewayProcess, gateways_before
+from gatewayproc import GatewayProcess, gateway_metric, gateways_before
 from redisproc import RedisServer
 
 FAST_HEALTH = {"interval_s": 0.3, "timeout_s": 0.5, "healthy_after": 1, "unhealthy_after": 1}
@@ -35,13 +34,7 @@ def gateway(pair, tmp_path):
 
 def metric(g: GatewayProcess, name: str, **labels: str) -> float:
     """Sum of a gateway metric over the series whose labels include ``labels``."""
-    text = httpx.get(g.url + "/metrics", timeout=5).text
-    total = 0.0
-    for m in re.finditer(rf"^{re.escape(name)}(\{{[^}}]*\}})? (\S+)$", text, re.MULTILINE):
-        series = m.group(1) or ""
-        if all(f'{k}="{v}"' in series for k, v in labels.items()):
-            total += float(m.group(2))
-    return total
+    return gateway_metric(g.url, name, **labels)
 
 
 def post(g: GatewayProcess, body: dict, key: str | None = None, timeout: float = 30):

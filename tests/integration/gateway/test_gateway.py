@@ -15,7 +15,7 @@ import openai
 import pytest
 import yaml
 
-from gatewayproc import backends, gateways_before
+from gatewayproc import backends, gateway_metric, gateways_before
 from poise.launcher import free_port
 from serverproc import ServerProcess, start_servers
 
@@ -245,18 +245,6 @@ def test_a_streamed_answer_is_charged_what_it_used_not_its_max_tokens(gateway):
     # Charged the full estimate, 300 - 201 would leave too little for a second such request.
     again = httpx.post(g.url + "/v1/completions", json=body, headers=auth, timeout=30)
     assert again.status_code == 200, again.text
-
-
-def gateway_metric(url: str, name: str, **labels: str) -> float:
-    """Sum of a metric over the series whose labels include ``labels`` (0 when none)."""
-    text = httpx.get(url + "/metrics", timeout=5).text
-    total = 0.0
-    for line in text.splitlines():
-        head, _, value = line.rpartition(" ")
-        series, _, rest = head.partition("{")
-        if series == name and all(f'{k}="{v}"' in rest for k, v in labels.items()):
-            total += float(value)
-    return total
 
 
 def test_gateway_metrics_move_by_exactly_what_happened(gateway, replicas):

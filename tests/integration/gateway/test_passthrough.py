@@ -23,6 +23,7 @@ import pytest
 import uvicorn
 from aiohttp import web
 
+from gatewayproc import gateway_metric
 from poise.asgi import uvicorn_config
 from poise.gateway.app import create_gateway_app
 from poise.gateway.config import GatewaySettings
@@ -137,14 +138,7 @@ class Gateway:
     task: asyncio.Task[None]
 
     def metric(self, name: str, **labels: str) -> float:
-        text = httpx.get(self.url + "/metrics", timeout=5).text
-        total = 0.0
-        for line in text.splitlines():
-            head, _, value = line.rpartition(" ")
-            series, _, rest = head.partition("{")
-            if series == name and all(f'{k}="{v}"' in rest for k, v in labels.items()):
-                total += float(value)
-        return total
+        return gateway_metric(self.url, name, **labels)
 
 
 Start = Callable[..., tuple[Gateway, list[Backend], list[Backend]]]
