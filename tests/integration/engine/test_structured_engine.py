@@ -35,7 +35,7 @@ def _run(llm_dir, temperature: float, **engine) -> tuple[list[str], LLM]:
     llm = LLM(llm_dir, dtype="float32", **engine)
     guided = compile_guided("json_schema", SCHEMA, "guided_json")
     params = [
-        SamplingParams(max_tokens=120, temperature=temperature, seed=100 + i, guided=guided)
+        SamplingParams(max_tokens=80, temperature=temperature, seed=100 + i, guided=guided)
         for i in range(len(PROMPTS))
     ]
     outs = llm.generate(PROMPTS, params)
