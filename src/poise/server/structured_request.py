@@ -38,6 +38,14 @@ def _asked(body: CompletionRequest | ChatCompletionRequest) -> list[tuple[Guided
                 'response_format of type "json_schema" needs its json_schema',
                 param="response_format.json_schema",
             )
+        if spec.description is not None:
+            # OpenAI shows it to the model; poise enforces the schema and changes no prompt.
+            raise APIError(
+                400,
+                "response_format.json_schema.description is not used by this server (the "
+                "schema is enforced; describe the format in the messages instead)",
+                param="response_format.json_schema.description",
+            )
         # OpenAI's strict mode is what a grammar gives anyway: the schema is always enforced.
         schema = spec.json_schema if spec.json_schema is not None else {}
         asked.append(("json_schema", schema, "response_format.json_schema.schema"))

@@ -239,6 +239,15 @@ def test_stop_strings_still_cut_a_constrained_answer(client):
             "response_format.json_schema",
         ),
         ({"guided_choice": ["a", "b"], "ignore_eos": True}, "ignore_eos"),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {}, "description": "d"},
+                }
+            },
+            "response_format.json_schema.description",
+        ),
         ({"guided_choice": ["a", "b"], "logit_bias": {"5": 3}}, "logit_bias"),
         ({"parallel_tool_calls": False}, "parallel_tool_calls"),
         # Tools with the default tool_choice "auto", and no tool-call format known: told so.
