@@ -41,12 +41,26 @@ class ModelSize:
     kv_heads: int
     ffn: int
     vocab: int
+    tied: bool = False  # lm_head shares the embedding (qwen2 always does)
+    rope_theta: float = 10000.0
 
 
 SIZES = {
     "tiny": ModelSize(hidden=64, layers=2, heads=4, kv_heads=2, ffn=128, vocab=1024),
     "small": ModelSize(hidden=256, layers=4, heads=8, kv_heads=4, ffn=768, vocab=8192),
     "w0": ModelSize(hidden=512, layers=8, heads=8, kv_heads=4, ffn=1536, vocab=32000),
+    # SmolLM2-135M's shape: deep and narrow, where per-layer overhead rather than matrix
+    # products takes a step's time.
+    "w3": ModelSize(
+        hidden=576,
+        layers=30,
+        heads=9,
+        kv_heads=3,
+        ffn=1536,
+        vocab=49152,
+        tied=True,
+        rope_theta=100000.0,
+    ),
     # The trained demo (``--train``): a few million parameters, a vocabulary of a few thousand.
     "demo": ModelSize(hidden=192, layers=4, heads=6, kv_heads=3, ffn=512, vocab=4096),
 }
@@ -85,8 +99,8 @@ def model_config(arch: str, size: ModelSize, tok: Tokenizer, **extra: Any) -> di
         "hidden_act": "silu",
         "max_position_embeddings": 4096,
         "rms_norm_eps": 1e-5,
-        "rope_theta": 10000.0,
-        "tie_word_embeddings": arch == "qwen2",
+        "rope_theta": size.rope_theta,
+        "tie_word_embeddings": arch == "qwen2" or size.tied,
         "bos_token_id": tok.token_to_id(BOS),
         "eos_token_id": tok.token_to_id(EOS),
         "torch_dtype": "float32",
