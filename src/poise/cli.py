@@ -44,7 +44,7 @@ def _generate(args: argparse.Namespace) -> int:
     from poise.engine.errors import EngineError
 
     try:
-        llm = LLM(args.model, dtype=args.dtype, device=args.device)
+        llm = LLM(args.model, dtype=args.dtype, device=args.device, quantization=args.quantization)
     except EngineError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -113,6 +113,7 @@ def _add_serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", action="append", help="accepted key (repeatable)")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device")
+    p.add_argument("--quantization", choices=["int8"], help="int8: weight-only int8 linear layers")
     p.add_argument("--kv-cache-memory-gib", type=float)
     p.add_argument("--num-kv-blocks", type=int)
     p.add_argument("--max-num-seqs", type=int)
@@ -241,7 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
     mm.add_argument("--arch", choices=["llama", "qwen2", "mistral"], default="llama")
     mm.add_argument(
         "--size",
-        choices=["tiny", "small", "w0", "demo"],
+        choices=["tiny", "small", "w0", "w3", "demo"],
         help="tiny by default; demo (3.2M parameters) with --train",
     )
     mm.add_argument(
@@ -262,6 +263,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto")
     gen.add_argument("--device", default=None, help="cpu (default), cuda or auto")
+    gen.add_argument("--quantization", choices=["int8"], help="weight-only int8 linear layers")
     gen.set_defaults(func=_generate)
 
     srv = sub.add_parser("serve", help="serve one replica over OpenAI-compatible HTTP")

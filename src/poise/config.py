@@ -47,6 +47,8 @@ class ServerSettings(BaseModel):
     max_model_len: int | None = Field(default=None, ge=1)
     enable_prefix_caching: bool = True
     native_kernels: bool = True
+    # int8: weight-only int8 linear layers, one scale per output channel (vLLM's flag).
+    quantization: Literal["int8"] | None = None
     seed: int = 0
     # auto: the model's generation_config.json sampling settings default unset request fields
     # (vLLM's --generation-config auto); none: they do not. Its eos ids stop either way.

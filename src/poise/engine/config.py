@@ -26,6 +26,8 @@ class EngineConfig:
     seed: int = 0  # for requests without a seed of their own
     # On the CPU: the C decode-attention kernel, and oneDNN-packed float32 linear layers.
     native_kernels: bool = True
+    # int8: weight-only int8 linear layers with per-row scales (models/int8_linear.py).
+    quantization: str | None = None
     # auto: generation_config.json's sampling settings are the defaults of requests that leave
     # them unset (as vLLM's --generation-config auto); none: they are not. Its eos ids stop
     # generation either way.

@@ -74,7 +74,11 @@ class LLMEngine:
             self.checkpoint.generation_config_source,
         )
         self.model = load_model(
-            self.checkpoint, self.config.dtype, self.config.device, self.config.native_kernels
+            self.checkpoint,
+            self.config.dtype,
+            self.config.device,
+            self.config.native_kernels,
+            self.config.quantization,
         )
         self.tokenizer = load_tokenizer(self.checkpoint)
         mc = self.model.config

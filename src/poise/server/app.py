@@ -79,6 +79,7 @@ def load_engine(settings: ServerSettings) -> EngineClient:
         max_model_len=settings.max_model_len,
         seed=settings.seed,
         native_kernels=settings.native_kernels,
+        quantization=settings.quantization,
         generation_config=settings.generation_config,
     )
     if settings.engine_process:

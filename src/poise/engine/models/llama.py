@@ -18,6 +18,7 @@ from torch import nn
 from poise.engine.errors import ModelLoadError
 from poise.engine.models.attention import Attention, AttentionMetadata
 from poise.engine.models.config import ModelConfig
+from poise.engine.models.int8_linear import Int8Linear
 from poise.engine.models.layers import MLP, RMSNorm
 from poise.engine.models.rope import RotaryEmbedding
 
@@ -85,7 +86,8 @@ class LlamaForCausalLM(nn.Module):
             rope.build(device)
 
     def tie_weights(self) -> None:
-        if self.config.tie_word_embeddings:
+        # An int8 head holds its own quantized copy of the embedding (``load_weights``).
+        if self.config.tie_word_embeddings and isinstance(self.lm_head, nn.Linear):
             self.lm_head.weight = self.embed_tokens.weight
 
     @torch.inference_mode()
@@ -115,16 +117,19 @@ class LlamaForCausalLM(nn.Module):
         }
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy Hugging Face-named tensors in, fusing q/k/v and gate/up as they arrive."""
+        """Copy Hugging Face-named tensors in, fusing q/k/v and gate/up as they arrive; an
+        ``Int8Linear``'s rows are quantized as they arrive (``int8_linear.py``)."""
         params = dict(self.named_parameters())
+        modules = dict(self.named_modules())
         loaded: set[str] = set()
         fused = self._fused_slices()
+        tied = self.config.tie_word_embeddings
         tied_head: torch.Tensor | None = None
         for hf_name, tensor in weights:
             name = hf_name.removeprefix("model.")
             if "rotary_emb" in name:
                 continue
-            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+            if name == "lm_head.weight" and tied:
                 tied_head = tensor  # kept only if it is not the embedding (below)
                 continue
             parts = name.split(".")
@@ -143,14 +148,26 @@ class LlamaForCausalLM(nn.Module):
                     f"{hf_name}: checkpoint shape {tuple(tensor.shape)} does not match the "
                     f"config's {tuple(dest.shape)}"
                 )
-            dest.copy_(tensor)
+            owner = modules.get(target.rpartition(".")[0])
+            if isinstance(owner, Int8Linear) and target.endswith(".weight"):
+                owner.load_rows(tensor, offset, size)
+            else:
+                dest.copy_(tensor)
+            if name == "embed_tokens.weight" and tied and isinstance(self.lm_head, Int8Linear):
+                self.lm_head.load_rows(tensor, None, None)
             loaded.add(name)
-        if tied_head is not None and not torch.equal(tied_head, self.embed_tokens.weight.data):
+        embedding = self.embed_tokens.weight
+        if tied_head is not None and not torch.equal(
+            tied_head.to(embedding.device, embedding.dtype), embedding
+        ):
             # transformers does not tie what the checkpoint stores apart: neither does poise.
-            if tied_head.shape != self.embed_tokens.weight.shape:
+            if tied_head.shape != embedding.shape:
                 raise ModelLoadError(f"lm_head.weight has shape {tuple(tied_head.shape)}")
-            weight = self.embed_tokens.weight
-            self.lm_head.weight = nn.Parameter(tied_head.to(weight.device, weight.dtype).clone())
+            if isinstance(self.lm_head, Int8Linear):
+                self.lm_head.load_rows(tied_head, None, None)
+            else:
+                head = tied_head.to(embedding.device, embedding.dtype).clone()
+                self.lm_head.weight = nn.Parameter(head)
         missing = [n for n in self.expected_hf_names() if n not in loaded]
         if missing:
             shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")

@@ -14,6 +14,7 @@ from torch import nn
 from poise.engine.errors import ModelLoadError
 from poise.engine.models.checkpoint import Checkpoint, open_checkpoint
 from poise.engine.models.config import ModelConfig
+from poise.engine.models.int8_linear import check_kernel, check_quantization, quantize_linears
 from poise.engine.models.llama import LlamaForCausalLM
 from poise.engine.models.packed_linear import pack_linears
 from poise.engine.models.phi3 import Phi3ForCausalLM
@@ -97,14 +98,21 @@ def load_model(
     dtype: str | torch.dtype = "auto",
     device: str | None = None,
     cpu_kernels: bool = True,
+    quantization: str | None = None,
 ) -> LlamaForCausalLM:
-    """``cpu_kernels``: on the CPU in float32, run linear layers through oneDNN (packed)."""
+    """``cpu_kernels``: on the CPU in float32, run linear layers through oneDNN (packed).
+    ``quantization``: ``int8`` holds every linear layer's weights as int8 with per-row scales
+    (``int8_linear.py``); the checkpoint's weights are read in float32 to quantize them."""
     ckpt = model if isinstance(model, Checkpoint) else open_checkpoint(model)
     config = ckpt.config
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, config, torch_device)
+    if check_quantization(quantization):
+        check_kernel(torch_device)
     with torch.device("meta"), _initialisers_skipped():
         net = MODEL_CLASSES[config.family](config)
+        if quantization:
+            quantize_linears(net)
     # As ``to_empty(...).to(dtype)`` but by shape: ``empty_like`` of a meta tensor imports
     # torch's symbolic shapes (sympy), 0.7 s more.
     net = net._apply(
@@ -113,7 +121,7 @@ def load_model(
         )
     )
     net.tie_weights()
-    net.load_weights(ckpt.weights(torch_dtype))
+    net.load_weights(ckpt.weights(torch.float32 if quantization else torch_dtype))
     net.build_rope(torch_device)
     if cpu_kernels:
         pack_linears(net)

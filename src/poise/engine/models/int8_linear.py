@@ -1,0 +1,109 @@
+"""Weight-only int8 linear layers (``--quantization int8``): one scale per output channel.
+
+Why: at batch 1 a decode step reads every weight once per token, so its time is the weights'
+bytes; int8 holds a quarter of float32's and half of bfloat16's. torch ships the kernel,
+``aten._weight_int8pack_mm`` (``x @ (q * scales[:, None]).T`` for x of shape (M, K), int8 q of
+(N, K) and one scale per row), so poise writes none. Only the linear layers change: the
+embedding, norms, KV pool, attention and sampling keep the model's dtype.
+
+The scales are symmetric, ``max |w| / 127`` of each output row, computed from float32 weights
+as they arrive from the checkpoint. Rows quantize on their own, so fusing q/k/v and gate/up
+(``llama.py``) is fusing already-quantized rows. A GGUF's Q8_0 tensors arrive the same way:
+their int8 values times their per-32 block scales are exact in float32, and are rounded once to
+this per-row layout; the kernel takes one scale per row, so Q8_0's block scales cannot be used as
+they are.
+
+On the CPU the kernel is fast only with bfloat16 activations (on an AVX2 host, float32 ones
+took 7-20x as long), so activations are rounded to bfloat16 for the product and the result comes
+back in the model's dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from poise.engine.errors import ModelLoadError
+
+QUANTIZATIONS = ("int8",)
+
+
+def check_quantization(value: str | None) -> str | None:
+    if value is not None and value not in QUANTIZATIONS:
+        raise ModelLoadError(
+            f"quantization {value!r} is not one of: {', '.join(QUANTIZATIONS)} (or none)"
+        )
+    return value
+
+
+def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 values, float32 scales) with ``weight ≈ q * scales[:, None]``."""
+    w = weight.float()
+    scales = w.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny) / 127.0
+    q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
+    return q, scales
+
+
+class Int8Linear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.weight = nn.Parameter(
+            torch.empty(out_features, in_features, dtype=torch.int8), requires_grad=False
+        )
+        self.scales = nn.Parameter(torch.empty(out_features), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self._kernel_scales: torch.Tensor | None = None
+
+    def load_rows(self, tensor: torch.Tensor, offset: int | None, size: int | None) -> None:
+        """Quantize a float tensor of whole rows into rows ``offset:offset + size``."""
+        q, scales = quantize_rows(tensor)
+        rows = slice(None) if offset is None else slice(offset, offset + (size or 0))
+        self.weight.data[rows] = q.to(self.weight.device)
+        self.scales.data[rows] = scales.to(self.scales.device, self.scales.dtype)
+        self._kernel_scales = None
+
+    def kernel_dtype(self, x: torch.Tensor) -> torch.dtype:
+        return torch.bfloat16 if x.device.type == "cpu" else x.dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = self.kernel_dtype(x)
+        if self._kernel_scales is None or self._kernel_scales.dtype != dtype:
+            self._kernel_scales = self.scales.data.to(dtype)
+        y = torch.ops.aten._weight_int8pack_mm(
+            x.reshape(-1, self.in_features).to(dtype), self.weight, self._kernel_scales
+        )
+        y = y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+        return y if self.bias is None else y + self.bias
+
+
+def quantize_linears(model: nn.Module) -> int:
+    """Swap every ``nn.Linear`` of a model still on the meta device for an ``Int8Linear`` whose
+    rows the checkpoint's weights fill (``load_rows``). Returns how many."""
+    targets = [
+        (parent, name, child)
+        for parent in model.modules()
+        for name, child in parent.named_children()
+        if type(child) is nn.Linear
+    ]
+    for parent, name, child in targets:
+        setattr(
+            parent,
+            name,
+            Int8Linear(child.in_features, child.out_features, child.bias is not None),
+        )
+    return len(targets)
+
+
+def check_kernel(device: torch.device) -> None:
+    """Refuse at load where torch has no int8 weight kernel for the device."""
+    probe = Int8Linear(8, 4, bias=False).to(device)
+    probe.load_rows(torch.randn(4, 8), None, None)
+    try:
+        probe(torch.randn(2, 8, device=device))
+    except (RuntimeError, NotImplementedError) as exc:
+        raise ModelLoadError(
+            f"quantization int8: torch {torch.__version__} has no int8 weight matmul kernel on "
+            f"{device} ({str(exc).splitlines()[0]})"
+        ) from exc
