@@ -17,7 +17,7 @@ Output agreement: for every repeat, the share of requests whose tokens are ident
 the first system and each other (informational: different kernels round differently).
 
     python benchmarks/served_throughput.py --model .cache/models/w3 --dtype float32 \
-        [--systems poise vllm] [--repeat 3] [--batch1] [--quantization int8] [--json out.json]
+        [--systems poise vllm poise-int8 poise-bare] [--repeat 3] [--batch1 [--transformers]]
 """
 
 from __future__ import annotations
@@ -31,10 +31,12 @@ import socket
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
@@ -59,13 +61,49 @@ class System:
     env: dict[str, str]
 
 
-def system(name: str, model: Path, dtype: str, port: int, quantization: str | None) -> System:
+class SpanSink(ThreadingHTTPServer):
+    """A local OTLP/HTTP trace receiver for ``poise-traced``: takes every export, counts it."""
+
+    def __init__(self) -> None:
+        self.exports = self.bytes = 0
+        sink = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                sink.bytes += len(self.rfile.read(int(self.headers["content-length"])))
+                sink.exports += 1
+                self.send_response(200)
+                self.send_header("content-type", "application/x-protobuf")
+                self.end_headers()
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        super().__init__(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}"
+
+
+SINKS: list[SpanSink] = []  # the one receiver, made on first use
+
+
+def system(name: str, model: Path, dtype: str, port: int) -> System:
+    """poise on its defaults; poise-int8 with --quantization int8; poise-traced with traces to a
+    local OTLP receiver too; poise-bare with admission control off and the engine in the HTTP
+    process (the cost of stability is poise-traced against poise-bare); vllm."""
     if name.startswith("poise"):
         argv = [str(POISE), "serve", "--model", str(model), "--dtype", dtype, "--port", str(port)]
-        if quantization:
-            argv += ["--quantization", quantization]
+        if name == "poise-int8":
+            argv += ["--quantization", "int8"]
         if name == "poise-bare":  # the stability mechanisms off, for their cost
-            argv += ["--no-admission-control"]
+            argv += ["--no-admission-control", "--engine-in-thread"]
+        if name == "poise-traced":
+            if not SINKS:
+                SINKS.append(SpanSink())
+            argv += ["--otlp-endpoint", SINKS[0].endpoint]
         return System(name, argv, {})
     if name == "vllm":
         if not VLLM_PYTHON.exists():
@@ -194,7 +232,6 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--batch1", action="store_true", help="one 256-token prompt, 128 out")
     parser.add_argument("--transformers", action="store_true", help="with --batch1")
-    parser.add_argument("--quantization", help="poise's --quantization (e.g. int8)")
     parser.add_argument("--logs", type=Path, default=ROOT / ".cache" / "bench")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
@@ -206,7 +243,7 @@ def main() -> None:
     for k in range(args.repeat):
         for name in args.systems:
             port = _free_port()
-            spec = system(name, args.model, args.dtype, port, args.quantization)
+            spec = system(name, args.model, args.dtype, port)
             with running(spec, port, args.logs / f"served_{name}.log") as (base, model_id):
                 if args.batch1:
                     prompt = workloads[0].prompts[0][:1] + workloads[0].prompts[1][:255]
@@ -251,6 +288,8 @@ def main() -> None:
                       f"identical outputs {[f'{x:.0%}' for x in same]}")  # fmt: skip
             report[name] = {"seconds": runs, "output_tok_s": tok_s, "median_tok_s": medians[name],
                             f"identical_to_{first}": same}  # fmt: skip
+    for sink in SINKS:
+        print(f"poise-traced sent {sink.exports} OTLP exports ({sink.bytes} bytes)")
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
 

@@ -119,6 +119,8 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", torch.empty(0), persistent=False)
         self.register_buffer("sin", torch.empty(0), persistent=False)
         self._by_len: dict[int, torch.Tensor] = {}  # inv_freq per sequence length (dynamic)
+        # The last step's rows, by the identity of its tensors (held, so no id is reused).
+        self._step: tuple[tuple[object, ...], tuple[torch.Tensor, torch.Tensor]] | None = None
 
     @property
     def length_dependent(self) -> bool:
@@ -172,9 +174,15 @@ class RotaryEmbedding(nn.Module):
         seq_lens: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         lengths = seq_lens if self.spec.rope_type == "longrope" else rope_lens
-        cos, sin = self.cos_sin(positions, lengths)
-        cos = cos.to(q.dtype).unsqueeze(1)
-        sin = sin.to(q.dtype).unsqueeze(1)
+        key = (positions, lengths, q.dtype)
+        cached = self._step
+        if cached is not None and all(a is b for a, b in zip(cached[0], key, strict=True)):
+            cos, sin = cached[1]  # every layer of a step rotates the same positions
+        else:
+            cos, sin = self.cos_sin(positions, lengths)
+            cos = cos.to(q.dtype).unsqueeze(1)
+            sin = sin.to(q.dtype).unsqueeze(1)
+            self._step = (key, (cos, sin))
         rd = self.spec.rotary_dim
         if rd == q.shape[-1]:
             return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
