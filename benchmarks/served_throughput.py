@@ -6,14 +6,15 @@ prefix caching off and ``--max-num-seqs 64`` as issue 19 gives it). The driver p
 requests at once to ``/v1/completions`` as token-id prompts, greedy, ``ignore_eos``, and times
 from the first send to the last answer. Repeat ``k`` uses workload seed ``k`` for every system,
 so the requests are the same across systems while no run finds the previous run's prompts in a
-prefix cache; the runs of the systems alternate and the table shows medians.
+prefix cache (the warm-up prompt starts like none of them); the runs of the systems alternate
+and the table shows medians.
 
 ``--batch1`` measures one user instead: a 256-token prompt and 128 output tokens, streamed,
 ``--repeat`` times after one untimed request: TTFT (send to first token) and TPOT (first to last
 token over the tokens between), medians. transformers joins that table in-process
 (``generate`` with a streamer), as the same request alone.
 
-Output agreement: for every repeat, the share of requests whose tokens are identical between
+Output agreement: for every repeat, the share of requests whose texts are identical between
 the first system and each other (informational: different kernels round differently).
 
     python benchmarks/served_throughput.py --model .cache/models/w3 --dtype float32 \
@@ -91,13 +92,16 @@ SINKS: list[SpanSink] = []  # the one receiver, made on first use
 
 
 def system(name: str, model: Path, dtype: str, port: int) -> System:
-    """poise on its defaults; poise-int8 with --quantization int8; poise-traced with traces to a
+    """poise on its defaults; poise-int8 with --quantization int8; poise-nobudget without the
+    step-time budget; poise-traced with traces to a
     local OTLP receiver too; poise-bare with admission control off and the engine in the HTTP
     process (the cost of stability is poise-traced against poise-bare); vllm."""
     if name.startswith("poise"):
         argv = [str(POISE), "serve", "--model", str(model), "--dtype", dtype, "--port", str(port)]
         if name == "poise-int8":
             argv += ["--quantization", "int8"]
+        if name == "poise-nobudget":  # the 80 ms step-time budget (a TPOT objective) off
+            argv += ["--step-time-budget-s", "0"]
         if name == "poise-bare":  # the stability mechanisms off, for their cost
             argv += ["--no-admission-control", "--engine-in-thread"]
         if name == "poise-traced":
@@ -158,21 +162,26 @@ def running(sys_: System, port: int, log: Path) -> Iterator[tuple[str, str]]:
                 proc.wait()
 
 
-async def _complete(client: httpx.AsyncClient, model: str, prompt: list[int], n: int) -> list[int]:
+async def _complete(client: httpx.AsyncClient, model: str, prompt: list[int], n: int) -> str:
     body = {"model": model, "prompt": prompt, "max_tokens": n, "temperature": 0,
-            "ignore_eos": True, "logprobs": 0}  # fmt: skip
+            "ignore_eos": True}  # fmt: skip
     r = await client.post("/v1/completions", json=body)
     r.raise_for_status()
     data = r.json()
     if data["usage"]["completion_tokens"] != n:
         raise SystemExit(f"asked {n} tokens, got {data['usage']['completion_tokens']}")
-    return data["choices"][0]["logprobs"]["tokens"]
+    return str(data["choices"][0]["text"])
 
 
-async def run_w1(base: str, model: str, w: Workload) -> tuple[float, list[list[str]]]:
+def warmup_prompt(vocab: int, n: int) -> list[int]:
+    """Tokens no timed prompt starts with, so a prefix cache gains nothing from the warm-up."""
+    return [3 + (i * 7919) % (vocab - 3) for i in range(n)]
+
+
+async def run_w1(base: str, model: str, w: Workload, vocab: int) -> tuple[float, list[str]]:
     limits = httpx.Limits(max_connections=len(w.prompts) + 4)
     async with httpx.AsyncClient(base_url=base, timeout=1800, limits=limits) as client:
-        await _complete(client, model, w.prompts[0][:32], 4)  # warm-up, untimed
+        await _complete(client, model, warmup_prompt(vocab, 32), 4)  # untimed
         t0 = time.perf_counter()
         outs = await asyncio.gather(
             *(_complete(client, model, p, n) for p, n in zip(w.prompts, w.output_lens, strict=True))
@@ -181,19 +190,29 @@ async def run_w1(base: str, model: str, w: Workload) -> tuple[float, list[list[s
 
 
 async def run_batch1(base: str, model: str, prompt: list[int], n: int) -> tuple[float, float]:
-    """(TTFT, TPOT) of one streamed request alone."""
+    """(TTFT, TPOT) of one streamed request alone. Every chunk that carries a token counts,
+    its text empty or not (a token may end inside a UTF-8 character); the usage chunk must say
+    ``n`` tokens came."""
     body = {"model": model, "prompt": prompt, "max_tokens": n, "temperature": 0,
-            "ignore_eos": True, "stream": True}  # fmt: skip
+            "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}  # fmt: skip
     stamps: list[float] = []
+    usage = None
     async with httpx.AsyncClient(base_url=base, timeout=600) as client:
         t0 = time.perf_counter()
         async with client.stream("POST", "/v1/completions", json=body) as r:
             r.raise_for_status()
             async for line in r.aiter_lines():
                 data = line.removeprefix("data: ")
-                if data not in (line, "[DONE]") and json.loads(data)["choices"][0].get("text"):
+                if data in (line, "[DONE]"):
+                    continue
+                chunk = json.loads(data)
+                usage = chunk.get("usage") or usage
+                choice = (chunk.get("choices") or [None])[0]
+                if choice and (choice.get("text") or choice.get("finish_reason") is None):
                     stamps.append(time.perf_counter())
-    # a chunk may carry more than one token's text; TPOT is over the tokens asked for
+    if usage is None or usage["completion_tokens"] != n or not stamps:
+        raise SystemExit(f"asked {n} streamed tokens, got usage {usage}, {len(stamps)} chunks")
     return stamps[0] - t0, (stamps[-1] - stamps[0]) / max(1, n - 1)
 
 
@@ -238,7 +257,7 @@ def main() -> None:
     args.logs.mkdir(parents=True, exist_ok=True)
     vocab = json.loads((args.model / "config.json").read_text())["vocab_size"]
     results: dict[str, list[float] | list[tuple[float, float]]] = {s: [] for s in args.systems}
-    outputs: dict[str, list[list[list[str]]]] = {s: [] for s in args.systems}
+    outputs: dict[str, list[list[str]]] = {s: [] for s in args.systems}
     workloads = [workload_w1(vocab, seed=k, n=args.requests) for k in range(args.repeat)]
     for k in range(args.repeat):
         for name in args.systems:
@@ -247,10 +266,11 @@ def main() -> None:
             with running(spec, port, args.logs / f"served_{name}.log") as (base, model_id):
                 if args.batch1:
                     prompt = workloads[0].prompts[0][:1] + workloads[0].prompts[1][:255]
-                    asyncio.run(run_batch1(base, model_id, prompt, 16))  # warm-up
+                    warm = warmup_prompt(vocab, 256)  # not the timed prompt: no cached prefix
+                    asyncio.run(run_batch1(base, model_id, warm, 16))
                     results[name].append(asyncio.run(run_batch1(base, model_id, prompt, 128)))
                 else:
-                    secs, outs = asyncio.run(run_w1(base, model_id, workloads[k]))
+                    secs, outs = asyncio.run(run_w1(base, model_id, workloads[k], vocab))
                     results[name].append(secs)
                     outputs[name].append(outs)
             print(f"repeat {k}: {name} {results[name][-1]}", flush=True)

@@ -16,7 +16,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -37,6 +37,9 @@ from poise.asgi import (
 )
 from poise.config import ServerSettings
 from poise.engine.client import EngineClient
+
+if TYPE_CHECKING:
+    from poise.engine.config import EngineConfig
 from poise.observability import tracing as tr
 from poise.observability.tracing import Tracing, otlp_provider, start_request
 from poise.protocol import (
@@ -63,10 +66,11 @@ log = logging.getLogger("poise.server")
 EngineLoader = Callable[[ServerSettings], EngineClient]
 
 
-def load_engine(settings: ServerSettings) -> EngineClient:
+def engine_config(settings: ServerSettings) -> EngineConfig:
+    """The engine's settings out of the server's."""
     from poise.engine.config import EngineConfig
 
-    config = EngineConfig(
+    return EngineConfig(
         dtype=settings.dtype,
         device=settings.device,
         block_size=settings.block_size,
@@ -82,6 +86,10 @@ def load_engine(settings: ServerSettings) -> EngineClient:
         quantization=settings.quantization,
         generation_config=settings.generation_config,
     )
+
+
+def load_engine(settings: ServerSettings) -> EngineClient:
+    config = engine_config(settings)
     if settings.engine_process:
         from poise.engine.process_engine import ProcessEngine
 

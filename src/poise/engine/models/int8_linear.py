@@ -15,12 +15,14 @@ they are.
 
 On the CPU the kernel is fast only with bfloat16 activations (on an AVX2 host, float32 ones
 took 7-20x as long), so activations are rounded to bfloat16 for the product and the result comes
-back in the model's dtype.
+back in the model's dtype. On CUDA the activations keep the model's dtype; that path has not
+run on a GPU yet (no GPU was lent while it was written), and its speed is unmeasured.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from poise.engine.errors import ModelLoadError
@@ -68,14 +70,29 @@ class Int8Linear(nn.Module):
         return torch.bfloat16 if x.device.type == "cpu" else x.dtype
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (
+            x.dtype == torch.float32
+            and x.device.type == "cpu"
+            and x.numel() > self.in_features * GEMV_ROWS
+        ):
+            # A prefill's many rows: torch's int8 kernel is a matrix-vector loop, slower than
+            # float32 GEMM with the weights dequantized for this call (measured at 256 rows).
+            weight = self.weight.to(torch.float32) * self.scales.float()[:, None]
+            return F.linear(x, weight, self.bias)
         dtype = self.kernel_dtype(x)
         if self._kernel_scales is None or self._kernel_scales.dtype != dtype:
             self._kernel_scales = self.scales.data.to(dtype)
-        y = torch.ops.aten._weight_int8pack_mm(
-            x.reshape(-1, self.in_features).to(dtype), self.weight, self._kernel_scales
-        )
+        flat = x.reshape(-1, self.in_features).to(dtype).contiguous()
+        y = torch.ops.aten._weight_int8pack_mm(flat, self.weight, self._kernel_scales)
         y = y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
         return y if self.bias is None else y + self.bias
+
+
+# Above this many rows of float32 activations on the CPU, dequantize and use float32 GEMM.
+GEMV_ROWS = 16
+
+# torch 2.13's CPU kernel reads past the row (NaN, or a crash) when K is not a multiple of 8.
+K_MULTIPLE = 8
 
 
 def quantize_linears(model: nn.Module) -> int:
@@ -87,6 +104,13 @@ def quantize_linears(model: nn.Module) -> int:
         for name, child in parent.named_children()
         if type(child) is nn.Linear
     ]
+    names = {id(m): n for n, m in model.named_modules()}
+    for _, _, child in targets:
+        if child.in_features % K_MULTIPLE:
+            raise ModelLoadError(
+                f"quantization int8: {names[id(child)]} has {child.in_features} input features; "
+                f"torch's int8 kernel needs a multiple of {K_MULTIPLE}"
+            )
     for parent, name, child in targets:
         setattr(
             parent,
@@ -96,12 +120,12 @@ def quantize_linears(model: nn.Module) -> int:
     return len(targets)
 
 
-def check_kernel(device: torch.device) -> None:
-    """Refuse at load where torch has no int8 weight kernel for the device."""
+def check_kernel(device: torch.device, dtype: torch.dtype) -> None:
+    """Refuse at load where torch has no int8 weight kernel for the device and dtype."""
     probe = Int8Linear(8, 4, bias=False).to(device)
     probe.load_rows(torch.randn(4, 8), None, None)
     try:
-        probe(torch.randn(2, 8, device=device))
+        probe(torch.randn(2, 8, device=device, dtype=dtype))
     except (RuntimeError, NotImplementedError) as exc:
         raise ModelLoadError(
             f"quantization int8: torch {torch.__version__} has no int8 weight matmul kernel on "

@@ -108,7 +108,7 @@ def load_model(
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, config, torch_device)
     if check_quantization(quantization):
-        check_kernel(torch_device)
+        check_kernel(torch_device, torch_dtype)
     with torch.device("meta"), _initialisers_skipped():
         net = MODEL_CLASSES[config.family](config)
         if quantization:

@@ -108,6 +108,10 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+# (positions, lengths, dtype), their version counters, (cos, sin): one step's rotary rows.
+StepRows = tuple[tuple[object, ...], tuple[int | None, ...], tuple[torch.Tensor, torch.Tensor]]
+
+
 class RotaryEmbedding(nn.Module):
     """cos/sin tables kept in float32 (scaled by the attention factor) and cast at use, as
     transformers does; length-dependent types compute the rows past their threshold per step."""
@@ -120,7 +124,7 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", torch.empty(0), persistent=False)
         self._by_len: dict[int, torch.Tensor] = {}  # inv_freq per sequence length (dynamic)
         # The last step's rows, by the identity of its tensors (held, so no id is reused).
-        self._step: tuple[tuple[object, ...], tuple[torch.Tensor, torch.Tensor]] | None = None
+        self._step: StepRows | None = None
 
     @property
     def length_dependent(self) -> bool:
@@ -133,6 +137,7 @@ class RotaryEmbedding(nn.Module):
         return emb.cos() * scale, emb.sin() * scale
 
     def build(self, device: torch.device) -> None:
+        self._step = None
         positions = torch.arange(self.max_len, device=device)
         self.cos, self.sin = self._table(positions, inv_freq(self.spec))
 
@@ -174,15 +179,21 @@ class RotaryEmbedding(nn.Module):
         seq_lens: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         lengths = seq_lens if self.spec.rope_type == "longrope" else rope_lens
+        # The same tensors, not changed in place since (their version counters), and dtype.
         key = (positions, lengths, q.dtype)
+        versions = (positions._version, None if lengths is None else lengths._version)
         cached = self._step
-        if cached is not None and all(a is b for a, b in zip(cached[0], key, strict=True)):
-            cos, sin = cached[1]  # every layer of a step rotates the same positions
+        if (
+            cached is not None
+            and all(a is b for a, b in zip(cached[0], key, strict=True))
+            and cached[1] == versions
+        ):
+            cos, sin = cached[2]  # every layer of a step rotates the same positions
         else:
             cos, sin = self.cos_sin(positions, lengths)
             cos = cos.to(q.dtype).unsqueeze(1)
             sin = sin.to(q.dtype).unsqueeze(1)
-            self._step = (key, (cos, sin))
+            self._step = (key, versions, (cos, sin))
         rd = self.spec.rotary_dim
         if rd == q.shape[-1]:
             return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
