@@ -48,7 +48,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", type=Path, required=True)
     parser.add_argument("--ref-dtype", default="bfloat16")
-    parser.add_argument("--dtype", default=None, help="int8's activations (default: ref's)")
+    parser.add_argument("--dtype", default=None, help="the int8 model's dtype (default: ref's)")
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--tokens", type=int, default=64)
@@ -70,7 +70,7 @@ def main() -> None:
     # rounding, not int8's.
     models = {
         f"control ({args.ref_dtype}, unquantized)": load_model(ckpt, args.ref_dtype),
-        f"int8 ({args.dtype or args.ref_dtype} activations)": load_model(
+        f"int8 ({args.dtype or args.ref_dtype} model)": load_model(
             ckpt, args.dtype or args.ref_dtype, quantization="int8"
         ),
     }

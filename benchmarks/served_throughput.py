@@ -28,10 +28,8 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -43,16 +41,10 @@ from pathlib import Path
 import httpx
 
 from engine_throughput import DEFAULT_MODEL, Workload, workload_w1
+from poise.launcher import free_port, serve_argv
 
 ROOT = Path(__file__).resolve().parent.parent
 VLLM_PYTHON = ROOT / ".cache" / "vllm-venv" / "bin" / "python"
-POISE = Path(sys.executable).parent / "poise"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass(frozen=True)
@@ -91,24 +83,26 @@ class SpanSink(ThreadingHTTPServer):
 SINKS: list[SpanSink] = []  # the one receiver, made on first use
 
 
+# poise's systems: their flags beyond the model, dtype and port.
+POISE_FLAGS = {
+    "poise": [],  # the defaults
+    "poise-int8": ["--quantization", "int8"],
+    "poise-nobudget": ["--step-time-budget-s", "0"],  # the 80 ms step-time budget off
+    # the stability mechanisms off, for their cost (against poise-traced)
+    "poise-bare": ["--no-admission-control", "--engine-in-thread"],
+    "poise-traced": [],  # the defaults, with traces to a local OTLP receiver
+}
+SYSTEMS = [*POISE_FLAGS, "vllm"]
+
+
 def system(name: str, model: Path, dtype: str, port: int) -> System:
-    """poise on its defaults; poise-int8 with --quantization int8; poise-nobudget without the
-    step-time budget; poise-traced with traces to a
-    local OTLP receiver too; poise-bare with admission control off and the engine in the HTTP
-    process (the cost of stability is poise-traced against poise-bare); vllm."""
-    if name.startswith("poise"):
-        argv = [str(POISE), "serve", "--model", str(model), "--dtype", dtype, "--port", str(port)]
-        if name == "poise-int8":
-            argv += ["--quantization", "int8"]
-        if name == "poise-nobudget":  # the 80 ms step-time budget (a TPOT objective) off
-            argv += ["--step-time-budget-s", "0"]
-        if name == "poise-bare":  # the stability mechanisms off, for their cost
-            argv += ["--no-admission-control", "--engine-in-thread"]
+    if name in POISE_FLAGS:
+        flags = ["--dtype", dtype, *POISE_FLAGS[name]]
         if name == "poise-traced":
             if not SINKS:
                 SINKS.append(SpanSink())
-            argv += ["--otlp-endpoint", SINKS[0].endpoint]
-        return System(name, argv, {})
+            flags += ["--otlp-endpoint", SINKS[0].endpoint]
+        return System(name, serve_argv(str(model), port, *flags), {})
     if name == "vllm":
         if not VLLM_PYTHON.exists():
             raise SystemExit(f"vllm: no benchmark venv at {VLLM_PYTHON.parent.parent}")
@@ -120,7 +114,7 @@ def system(name: str, model: Path, dtype: str, port: int) -> System:
             "VLLM_CPU_OMP_THREADS_BIND": f"0-{os.cpu_count() - 1}",
         }
         return System(name, argv, env)
-    raise SystemExit(f"unknown system {name!r}")
+    raise SystemExit(f"unknown system {name!r}")  # argparse's choices keep this unreachable
 
 
 def _wait_ready(proc: subprocess.Popen[bytes], base: str, name: str, log: Path) -> str:
@@ -246,7 +240,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", type=Path, default=DEFAULT_MODEL)
     parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--systems", nargs="+", default=["poise", "vllm"])
+    parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=["poise", "vllm"])
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--batch1", action="store_true", help="one 256-token prompt, 128 out")
@@ -254,6 +248,8 @@ def main() -> None:
     parser.add_argument("--logs", type=Path, default=ROOT / ".cache" / "bench")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
+    if args.transformers and not args.batch1:
+        parser.error("--transformers joins only the --batch1 table")
     args.logs.mkdir(parents=True, exist_ok=True)
     vocab = json.loads((args.model / "config.json").read_text())["vocab_size"]
     results: dict[str, list[float] | list[tuple[float, float]]] = {s: [] for s in args.systems}
@@ -261,7 +257,7 @@ def main() -> None:
     workloads = [workload_w1(vocab, seed=k, n=args.requests) for k in range(args.repeat)]
     for k in range(args.repeat):
         for name in args.systems:
-            port = _free_port()
+            port = free_port()
             spec = system(name, args.model, args.dtype, port)
             with running(spec, port, args.logs / f"served_{name}.log") as (base, model_id):
                 if args.batch1:

@@ -37,9 +37,6 @@ from poise.asgi import (
 )
 from poise.config import ServerSettings
 from poise.engine.client import EngineClient
-
-if TYPE_CHECKING:
-    from poise.engine.config import EngineConfig
 from poise.observability import tracing as tr
 from poise.observability.tracing import Tracing, otlp_provider, start_request
 from poise.protocol import (
@@ -60,6 +57,9 @@ from poise.server.openai_api import (
 from poise.server.replica import Phase, Replica
 from poise.server.structured_request import check_constraint
 from poise.server.tokenize_api import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
+
+if TYPE_CHECKING:
+    from poise.engine.config import EngineConfig
 
 log = logging.getLogger("poise.server")
 
