@@ -83,6 +83,7 @@ def describe(pool: Pool, backend: Backend) -> dict[str, Any]:
     return {
         "model": pool.model,
         "url": backend.url,
+        "kind": backend.kind,
         "draining": backend.retired,
         "healthy": backend.healthy,
         "checked": backend.checked,

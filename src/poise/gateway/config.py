@@ -11,6 +11,9 @@
             weight: 2
             api_key: secret-of-that-backend
             model: demo-v2                # the name that backend serves it under (optional)
+          - url: http://127.0.0.1:8003
+            kind: vllm                  # poise, vllm, sglang, llamacpp, tgi or openai;
+                                        # detected when left out
         fallback: [demo-small]          # other models to try when this pool cannot serve
         cache_fallback: {max_entries: 1000, ttl_s: 600}   # then a stored deterministic answer
         requests_per_minute: 6000       # per-model limits (optional)
@@ -51,6 +54,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, HttpUrl, model_validator
 
 from poise.config import read_config_file, validate_settings
+from poise.gateway.backend_kind import Kind
 
 
 class _Strict(BaseModel):
@@ -62,6 +66,9 @@ class BackendSettings(_Strict):
     weight: float = Field(default=1.0, gt=0)
     api_key: str | None = None
     model: str | None = None  # the name this backend serves the model under, when different
+    # Its engine: how it is probed, where its load is read, how its broken streams continue
+    # (``backend_kind``). Left out: detected from what the server says about itself.
+    kind: Kind | None = None
     # "dns": the URL's host names a set of backends, one per address it resolves to (as
     # Envoy's STRICT_DNS; a Kubernetes headless Service), resolved again every dns_refresh_s.
     discovery: Literal["static", "dns"] = "static"
@@ -159,7 +166,7 @@ class HealthSettings(_Strict):
     timeout_s: float = Field(default=1.0, gt=0)
     healthy_after: int = Field(default=2, ge=1)
     unhealthy_after: int = Field(default=2, ge=1)
-    generate_probe: bool = True  # poise backends: a real one-token generation
+    generate_probe: bool = True  # a real one-token generation (else /health); see health
 
 
 class RateLimitSettings(_Strict):

@@ -23,6 +23,7 @@ def gateway_state(gw: GatewayCore) -> dict[str, Any]:
             backends.append(
                 {
                     "url": b.url,
+                    "kind": b.kind,  # its engine; None until detected
                     "weight": b.settings.weight,
                     "healthy": b.healthy,
                     "checked": b.checked,
@@ -36,6 +37,7 @@ def gateway_state(gw: GatewayCore) -> dict[str, Any]:
                         "waiting": load.waiting,
                         "running": load.running,
                         "kv_usage": load.kv_usage,
+                        "generated_tokens": load.generated,
                         "age_s": None if load.at is None else round(now - load.at, 3),
                     },
                 }

@@ -56,6 +56,9 @@ from poise.resilience.retry import RetryBudget, RetryPolicy
 log = logging.getLogger("poise.gateway")
 
 # 500 too, as Envoy's ``5xx``: generation has no side effects, and nothing was sent yet.
+# A request body made for one backend; None: that backend cannot serve the request.
+BodyFor = Callable[[Backend], bytes | None]
+
 RETRYABLE_STATUS = frozenset({429, 500, 502, 503, 504})
 FAILURE_STATUS = frozenset({500, 502, 503, 504})  # what counts against a backend's health
 
@@ -127,7 +130,7 @@ class Forwarder:
         self,
         pool: Pool,
         path: str,
-        body: bytes,
+        body: bytes | BodyFor,
         headers: dict[str, str],
         deadline: float,
         stream: bool,
@@ -135,12 +138,25 @@ class Forwarder:
         journey: Attempt,
         call: Call = COMPLETION,
     ) -> Upstream:
-        """The first acceptable upstream response, or an APIError saying why there is none."""
+        """The first acceptable upstream response, or an APIError saying why there is none.
+
+        ``body``: the same for every backend, or made for each (the engine's own way to ask
+        for usage, or to continue a stream); a backend it makes none for is never chosen."""
+        bodies: dict[Backend, bytes | None] = {}
+
+        def body_of(b: Backend) -> bytes | None:
+            if isinstance(body, bytes):
+                return body
+            if b not in bodies:
+                bodies[b] = body(b)
+            return bodies[b]
+
         try:
             while True:
                 # After a refusal for load, none of those that refused; otherwise not the last one.
                 tried = journey.tried if journey.overloaded else journey.tried[-1:]
-                backend = pool.pick(affinity, frozenset(tried))
+                unable = frozenset(b for b in pool.backends if body_of(b) is None)
+                backend = pool.pick(affinity, frozenset(tried), unable)
                 permit = backend.breaker.acquire() if backend is not None else None
                 if backend is None or permit is None:
                     why = f" (last error: {journey.last_error})" if journey.last_error else ""
@@ -154,8 +170,10 @@ class Forwarder:
                     raise APIError(
                         504, "the request's deadline passed at the gateway", code="timeout"
                     )
+                payload = body_of(backend)
+                assert payload is not None  # pick never chooses an unable backend
                 upstream, retry_after = await self._attempt(
-                    pool, backend, permit, path, body, headers, left, stream, journey, call
+                    pool, backend, permit, path, payload, headers, left, stream, journey, call
                 )
                 self._retry_answered(journey)
                 if upstream is not None:

@@ -114,6 +114,7 @@ def finish(gw: Gateway, record: RequestRecord, span: trace.Span | None) -> None:
                 "poise.outcome": record.outcome,
                 "poise.backend": record.backend,
                 "poise.retries": record.retries,
+                "poise.resumed": record.resumed,
                 "poise.fallback": record.fallback,
             },
         )
@@ -138,6 +139,7 @@ def finish(gw: Gateway, record: RequestRecord, span: trace.Span | None) -> None:
             "backend": record.backend,
             "fallback": record.fallback,
             "retries": record.retries,
+            "resumed": record.resumed,
             "queue_ms": ms(record.queue_s),
             "ttft_ms": ms(record.ttft_s),
             "duration_ms": ms(time.perf_counter() - record.arrived),

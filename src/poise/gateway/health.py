@@ -1,14 +1,24 @@
 """Active health checks and load reports, one loop per backend.
 
-Each round asks ``/health`` - with ``?probe=generate`` where enabled, which on a poise replica
-runs a real one-token generation that skips the queue, so the verdict is about the engine and
-not about how busy it is - and reads ``/metrics`` for the load the router uses (waiting and
-running requests, KV usage, under vLLM's names, which poise and vLLM both export). A backend is
-marked down after ``unhealthy_after`` failed rounds and up after ``healthy_after`` good ones.
-A probe that does not answer within ``timeout_s`` is a failed round: a port that accepts
-connections is not health. With the defaults (a round every 0.5 s, 1 s to answer, two failed
-rounds) a stopped backend is out within about 3 s, and the work waiting on it is cut off then
-(``Backend.cut_off``) so that it moves to another backend instead of waiting on a dead one -
+A backend of unknown kind is first asked what it is (``backend_kind.detect``); until it answers,
+every round fails. Then each round asks, by kind (``backend_kind.Traits``):
+- health by a real one-token generation: on a poise replica ``/health?probe=generate``, which
+  skips its queue so that the verdict is about the engine and not about how busy it is; on vLLM,
+  SGLang, llama-server and TGI a one-token ``/v1/completions`` (their ``/health`` answers 200
+  from the HTTP process while the engine under it is stuck); on a hosted ``openai`` backend
+  ``/v1/models`` (a generation there is a bill);
+- the load the router uses, from the backend's own ``/metrics`` under its kind's names (or
+  llama-server's ``/slots``), with the count of tokens it has generated.
+
+A generation probe of another engine waits in its batch like any request. When it does not
+answer in ``timeout_s`` while the backend's generated-token count went up since the last round,
+the backend is busy, not stuck, and the round passes; a stuck engine generates nothing.
+
+A backend is marked down after ``unhealthy_after`` failed rounds and up after ``healthy_after``
+good ones. A probe that does not answer within ``timeout_s`` is a failed round: a port that
+accepts connections is not health. With the defaults (a round every 0.5 s, 1 s to answer, two
+failed rounds) a stopped backend is out within about 3 s, and the work waiting on it is cut off
+then (``Backend.cut_off``) so that it moves to another backend instead of waiting on a dead one -
 unless the backend said it is draining (a replica after SIGTERM finishes what it holds).
 """
 
@@ -16,33 +26,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import time
 from collections.abc import Callable
 
 import httpx
 
+from poise.gateway.backend_kind import detect, traits
 from poise.gateway.config import HealthSettings
+from poise.gateway.load_report import LoadReport, parse_metrics, parse_slots
 from poise.gateway.pool import Backend
 from poise.resilience.latency import LatencyTracker
 
 log = logging.getLogger("poise.gateway.health")
 
-_GAUGES = {
-    "vllm:num_requests_waiting": "waiting",
-    "vllm:num_requests_running": "running",
-    "vllm:kv_cache_usage_perc": "kv_usage",
-}
-_LINE = re.compile(r"^(vllm:[a-z_]+)(?:\{[^}]*\})? ([0-9.eE+-]+)$", re.MULTILINE)
-
-
-def parse_load(text: str) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for name, value in _LINE.findall(text):
-        field = _GAUGES.get(name)
-        if field is not None:
-            out[field] = out.get(field, 0.0) + float(value)
-    return out
+PROBE_PROMPT = "Hello"
 
 
 async def check_once(
@@ -55,28 +52,89 @@ async def check_once(
     headers = {}
     if backend.settings.api_key:
         headers["authorization"] = f"Bearer {backend.settings.api_key}"
+    if backend.kind is None:
+        backend.kind = await detect(client, backend.url, headers, cfg.timeout_s)
+        if backend.kind is None:
+            return False
+        log.info("backend %s is %s", backend.url, backend.kind)
     try:
-        params = {"probe": "generate"} if cfg.generate_probe else None
         t0 = clock()
-        r = await client.get(
-            backend.url + "/health", params=params, headers=headers, timeout=cfg.timeout_s
-        )
-        ok = r.status_code == 200
-        backend.draining = not ok and _says_draining(r)
-        if ok and latency is not None and cfg.generate_probe:
+        ok, timed_out = await _probe(client, backend, cfg, headers)
+        generation = cfg.generate_probe and traits(backend.kind).probe != "models"
+        if ok and latency is not None and generation:
             # How long a one-token generation took: what lets a backend out for slowness
             # back in (a plain /health is fast on a slow engine too).
             latency.observe_probe(backend.url, clock() - t0)
-        m = await client.get(backend.url + "/metrics", headers=headers, timeout=cfg.timeout_s)
-        if m.status_code == 200:
-            load = parse_load(m.text)
-            backend.load.waiting = load.get("waiting", 0.0)
-            backend.load.running = load.get("running", 0.0)
-            backend.load.kv_usage = load.get("kv_usage", 0.0)
+        before = backend.load.generated
+        report = await _load(client, backend, cfg, headers)
+        if report is not None:
+            backend.load.waiting = report.waiting
+            backend.load.running = report.running
+            backend.load.kv_usage = report.kv_usage
+            backend.load.generated = report.generated
             backend.load.at = clock()  # the pool judges staleness on the same clock
+            if timed_out and _progressed(before, report):
+                log.debug("backend %s: probe timed out while it generated: busy", backend.url)
+                ok = True
         return ok
     except httpx.HTTPError:
         return False
+
+
+async def _probe(
+    client: httpx.AsyncClient, backend: Backend, cfg: HealthSettings, headers: dict[str, str]
+) -> tuple[bool, bool]:
+    """(passed, timed out)."""
+    kind = traits(backend.kind)
+    try:
+        if kind.probe == "models":
+            r = await client.get(backend.url + "/v1/models", headers=headers, timeout=cfg.timeout_s)
+        elif kind.probe == "poise" or not cfg.generate_probe:
+            params = {"probe": "generate"} if cfg.generate_probe and kind.probe == "poise" else None
+            r = await client.get(
+                backend.url + "/health", params=params, headers=headers, timeout=cfg.timeout_s
+            )
+        else:
+            body = {
+                "model": backend.settings.model or backend.model,
+                "prompt": PROBE_PROMPT,
+                "max_tokens": 1,
+                "temperature": 0,
+            }
+            r = await client.post(
+                backend.url + "/v1/completions", json=body, headers=headers, timeout=cfg.timeout_s
+            )
+    except httpx.TimeoutException:
+        backend.draining = False
+        return False, True
+    backend.draining = r.status_code != 200 and _says_draining(r)
+    # A refusal for load is an answer from a live engine: routing weighs its load.
+    return r.status_code == 200 or (r.status_code == 429 and kind.probe != "poise"), False
+
+
+async def _load(
+    client: httpx.AsyncClient, backend: Backend, cfg: HealthSettings, headers: dict[str, str]
+) -> LoadReport | None:
+    kind = traits(backend.kind)
+    if not (kind.waiting or kind.running):
+        return None  # nothing to read: its load is the gateway's own count
+    m = await client.get(backend.url + "/metrics", headers=headers, timeout=cfg.timeout_s)
+    if m.status_code == 200:
+        report = parse_metrics(m.text, kind, m.headers.get("content-type", ""))
+        if report is not None:
+            return report
+    if kind.slots:  # llama-server without --metrics still lists its slots
+        s = await client.get(backend.url + "/slots", headers=headers, timeout=cfg.timeout_s)
+        if s.status_code == 200:
+            try:
+                return parse_slots(s.json())
+            except ValueError:
+                return None
+    return None
+
+
+def _progressed(before: float | None, report: LoadReport) -> bool:
+    return before is not None and report.generated is not None and report.generated > before
 
 
 def _says_draining(response: httpx.Response) -> bool:

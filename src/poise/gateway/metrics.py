@@ -104,8 +104,9 @@ class GatewayMetrics:
         )
         self.resumes = Counter(
             "poise_gateway_stream_migrations",
-            "Streams continued on another backend after breaking mid-way, by result.",
-            ["result"],
+            "Streams continued on another backend after breaking mid-way, by result and mode "
+            "(exact: from a poise replica's token notes; approximate: from the text sent).",
+            ["result", "mode"],
             registry=r,
         )
         self.breaker_transitions = Counter(
@@ -184,8 +185,8 @@ class GatewayMetrics:
     def admission_refused(self, model: str, reason: str) -> None:
         self.shed.labels(model, reason).inc()
 
-    def stream_resumed(self, ok: bool) -> None:
-        self.resumes.labels("resumed" if ok else "failed").inc()
+    def stream_resumed(self, ok: bool, mode: str) -> None:
+        self.resumes.labels("resumed" if ok else "failed", mode).inc()
 
     def rate_limited(self, limit: str) -> None:
         self.limited.labels(limit).inc()

@@ -8,8 +8,9 @@ more likely wrong (probes timing out while a restarted neighbour loads on the sa
 all the backends dead, and a request sent to a dead one fails over in milliseconds, where
 "no healthy backend" fails it for sure. So the last live backend never leaves rotation.
 
-Among those, power of two choices on load: the gateway's own requests in flight plus the
-waiting requests the backend itself reports (its ``/metrics``), scaled by weight and by its
+Among those, power of two choices on load: the requests it runs (the gateway's own in flight,
+or the backend's own count when that is more) plus the waiting requests it reports (its
+``/metrics``, under its kind's names: ``health``), scaled by weight and by its
 latency cost (peak EWMA of time to first token and per output token against the pool's median,
 work outstanding included: see ``poise.resilience.latency``), so that a backend gone slow or
 silent loses the choice at once; a backend whose report is stale counts as busy, since silence
@@ -30,6 +31,7 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from poise.gateway.backend_kind import Kind
 from poise.gateway.config import BackendSettings, GatewaySettings
 from poise.resilience.breaker import BreakerConfig, BreakerState, CircuitBreaker
 from poise.resilience.ejection import EjectionConfig, OutlierDetector
@@ -48,6 +50,7 @@ class ReportedLoad:
     waiting: float = 0.0
     running: float = 0.0
     kv_usage: float = 0.0
+    generated: float | None = None  # the backend's count of tokens generated, if it exports one
     at: float | None = None  # when it was read; None: never
 
 
@@ -62,6 +65,7 @@ class Backend:
     checked: bool = False  # an active check has given a verdict (the first one counts at once)
     load: ReportedLoad = field(default_factory=ReportedLoad)
     source: str | None = None  # the DNS name it was discovered from; None: listed
+    kind: Kind | None = None  # its engine, as configured or detected; None: not known yet
     retired: bool = False  # no longer discovered: out of routing, gone once idle
     # Its health answer says it is draining (a poise replica after SIGTERM): down for new
     # work, but what it holds finishes there and is not cut off.
@@ -119,7 +123,11 @@ class Pool:
         """A backend joins. One discovered later starts unchecked but not trusted: out of
         routing until its first health check passes."""
         backend = Backend(
-            self.model, settings, CircuitBreaker(self._breaker_config, self.clock), source=source
+            self.model,
+            settings,
+            CircuitBreaker(self._breaker_config, self.clock),
+            source=source,
+            kind=settings.kind,
         )
         if source is not None:
             backend.healthy = False
@@ -226,19 +234,31 @@ class Pool:
         load = b.load
         # A nearly full KV cache means preemptions soon: as bad as a queue of ten.
         reported = load.waiting + (10.0 if load.kv_usage > 0.95 else 0.0)
+        running = float(b.inflight)
         if load.at is not None and self.clock() - load.at > self.stale_after_s:
             reported += STALE_LOAD_PENALTY
-        return self.latency.cost(b.url) * (b.inflight + reported + 1) / b.settings.weight
+        else:
+            # What it runs counts as the gateway's own requests there or the backend's own
+            # count, whichever is more: other clients (another gateway, direct callers) load
+            # it too, and its count lags the gateway's by up to a round of health checks.
+            running = max(running, load.running)
+        return self.latency.cost(b.url) * (running + reported + 1) / b.settings.weight
 
     def pick(
-        self, affinity: bytes | None = None, exclude: frozenset[Backend] = frozenset()
+        self,
+        affinity: bytes | None = None,
+        exclude: frozenset[Backend] = frozenset(),
+        unable: frozenset[Backend] = frozenset(),
     ) -> Backend | None:
         """One backend for the next attempt, or None when none may take it.
 
         ``exclude``: backends already tried for this request; they are used again only when
-        nothing else is eligible.
+        nothing else is eligible. ``unable``: backends that cannot serve it at all (an engine
+        that cannot continue a chat by text); never chosen.
         """
-        candidates = self.eligible(exclude) or self.eligible()
+        candidates = [b for b in self.eligible(exclude) if b not in unable] or [
+            b for b in self.eligible() if b not in unable
+        ]
         if not candidates:
             return None
         if len(candidates) == 1:

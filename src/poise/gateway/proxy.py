@@ -22,7 +22,15 @@ from fastapi.responses import Response
 from opentelemetry import trace
 
 from poise.asgi import CancelOnDisconnect, ClientGoneError, EventStreamResponse
-from poise.gateway.forward import Attempt
+from poise.gateway.backend_kind import traits
+from poise.gateway.continuation import (
+    Transcript,
+    asks_usage,
+    continuable,
+    continued_body,
+    with_stream_usage,
+)
+from poise.gateway.forward import Attempt, BodyFor
 from poise.gateway.handling import (
     REQUEST_ID_HEADER,
     Gateway,
@@ -110,6 +118,15 @@ async def _handle(
     can_resume = stream and resumable(data)
     if can_resume:
         headers[STREAM_TOKENS_HEADER] = "1"
+    chain = [model, *gw.settings.models[model].fallback]
+    transcript = None
+    if stream and any(b.kind != "poise" for name in chain for b in gw.pools[name].backends):
+        # Another engine may serve it: read its stream for the text sent and the usage.
+        transcript = Transcript(
+            chat=path.endswith("chat/completions"),
+            strip_usage=not asks_usage(data),
+            continuable=continuable(path, data),
+        )
     affinity = affinity_key(text)
     cache = gw.caches.get(model)
     ckey = cache_key(path, data) if cache is not None else None
@@ -126,7 +143,7 @@ async def _handle(
             entered = True
             gw.budget.request_started()
             upstream, served_by = await _with_fallback(
-                gw, model, data, raw, path, headers, deadline, stream, affinity, span, journeys
+                gw, chain, data, raw, path, headers, deadline, transcript, affinity, span, journeys
             )
     except ClientGoneError:
         if entered:
@@ -166,27 +183,51 @@ async def _handle(
 
     async def resume(position: StreamPosition, failed: Backend | None) -> Upstream:
         assert gw.forwarder is not None
-        state = {
-            "token_ids": position.token_ids,
-            "text_chars": position.text_chars,
-            "id": position.id,
-            "created": position.created,
-        }
-        body = json.dumps({**data, "model": served_by, "poise_resume": state}).encode()
+        exact = position.noted and can_resume
+
+        def body_for(backend: Backend) -> bytes | None:
+            if exact and backend.kind == "poise":
+                state = {
+                    "token_ids": position.token_ids,
+                    "text_chars": position.text_chars,
+                    "id": position.id,
+                    "created": position.created,
+                }
+                return json.dumps({**data, "model": served_by, "poise_resume": state}).encode()
+            if transcript is None:
+                return None
+            continued = continued_body(data, path, transcript, backend.kind)
+            if continued is None:
+                return None
+            continued = {**continued, "model": served_by}
+            if traits(backend.kind).stream_usage:
+                continued = with_stream_usage(continued)
+            return json.dumps(continued).encode()
+
         journey = Attempt(tried=[failed] if failed is not None else [], span=span)
-        return await gw.forwarder.send(
-            gw.pools[served_by], path, body, headers, deadline, True, affinity, journey
+        up = await gw.forwarder.send(
+            gw.pools[served_by], path, body_for, headers, deadline, True, affinity, journey
         )
+        if exact and up.backend is not None and up.backend.kind == "poise":
+            position.mode = "exact"
+        else:
+            assert transcript is not None
+            position.mode = "approximate"
+            position.noted, position.token_ids = False, []
+            transcript.resumed()
+        if record.resumed != "approximate":
+            record.resumed = position.mode
+        return up
 
     async def events() -> AsyncIterator[bytes]:
-        position = StreamPosition()
+        position = StreamPosition(transcript=transcript)
         record.status, record.outcome = 200, "ok"
         record.ttft_s = time.perf_counter() - record.arrived
         try:
             async for chunk in relay(
                 upstream,
                 gw.settings.timeouts.stream_idle_s,
-                resume if can_resume else None,
+                resume if can_resume or transcript is not None else None,
                 on_resume=gw.metrics.stream_resumed,
                 position=position,
             ):
@@ -198,14 +239,12 @@ async def _handle(
             ended()
             if position.failed:
                 record.outcome, record.error = "upstream_error", position.failed
-            if position.noted:
-                record.output_tokens = len(position.token_ids)
+            used = _used_tokens(record, position, estimate - max_output_tokens(data))
             record.e2e_s = time.perf_counter() - record.arrived
             finish(gw, record, span)
-            if charged.charges and position.noted:
-                # The notes counted the tokens generated: charge those, not max_tokens.
-                # (The prompt's share stays estimated: a stream does not say it.)
-                used = estimate - max_output_tokens(data) + len(position.token_ids)
+            if charged.charges and used is not None:
+                # What the stream used, not max_tokens: the usage the backend reported, else
+                # the tokens noted or the events sent (with the prompt's share estimated).
                 await adjust_tokens(gw, charged, used)
 
     response = EventStreamResponse(events())
@@ -216,22 +255,24 @@ async def _handle(
 
 async def _with_fallback(
     gw: Gateway,
-    model: str,
+    chain: list[str],
     data: dict[str, Any],
     raw: bytes,
     path: str,
     headers: dict[str, str],
     deadline: float,
-    stream: bool,
+    transcript: Transcript | None,
     affinity: bytes | None,
     span: trace.Span | None,
     journeys: list[Attempt],
 ) -> tuple[Upstream, str]:
     assert gw.forwarder is not None
-    chain = [model, *gw.settings.models[model].fallback]
+    stream = data.get("stream") is True
     last: APIError | None = None
     for i, name in enumerate(chain):
-        body = raw if i == 0 else json.dumps({**data, "model": name}).encode()
+        body: bytes | BodyFor = raw if i == 0 else json.dumps({**data, "model": name}).encode()
+        if transcript is not None and transcript.strip_usage:
+            body = _asking_usage(data, name, body)
         journey = Attempt(span=span)
         journeys.append(journey)
         try:
@@ -246,3 +287,37 @@ async def _with_fallback(
         return upstream, name
     assert last is not None
     raise last
+
+
+def _asking_usage(data: dict[str, Any], name: str, plain: bytes | BodyFor) -> BodyFor:
+    """The stream's body for each backend: asking for the usage chunk where its kind honours
+    ``stream_options.include_usage`` (the relay drops that chunk: the client did not ask)."""
+    asking = json.dumps(with_stream_usage({**data, "model": name})).encode()
+
+    def body_for(backend: Backend) -> bytes:
+        if traits(backend.kind).stream_usage:
+            return asking
+        return plain if isinstance(plain, bytes) else asking
+
+    return body_for
+
+
+def _used_tokens(record: RequestRecord, position: StreamPosition, prompt: float) -> float | None:
+    """The tokens a stream used (``prompt``: the estimate of its prompt's share), into the
+    record too; None when nothing says."""
+    transcript = position.transcript
+    usage = transcript.usage if transcript is not None else None
+    if usage is not None:
+        completion, prompt_tokens = usage.get("completion_tokens"), usage.get("prompt_tokens")
+        record.output_tokens = completion if isinstance(completion, int) else None
+        record.input_tokens = prompt_tokens if isinstance(prompt_tokens, int) else None
+        used = transcript.used_tokens() if transcript is not None else None
+        if used is not None:
+            return used
+    if position.noted:
+        record.output_tokens = len(position.token_ids)
+        return prompt + len(position.token_ids)
+    if transcript is not None:
+        record.output_tokens = transcript.events
+        return prompt + transcript.events
+    return None

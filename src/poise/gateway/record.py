@@ -34,6 +34,7 @@ class RequestRecord:
     backend: str | None = None
     fallback: str | None = None
     retries: int = 0
+    resumed: str | None = None  # how its stream was continued after a break, if it was
     queue_s: float | None = None
     ttft_s: float | None = None
     e2e_s: float | None = None

@@ -1,15 +1,17 @@
-"""Relaying a committed stream to the client, with mid-stream failover for poise backends.
+"""Relaying a committed stream to the client, with mid-stream failover.
 
 Events go to the client whole, so that an error event can always follow cleanly. A poise
 backend asked for token notes (``STREAM_TOKENS_HEADER``) puts one before each event: the
 event's new token ids and the characters of text sent so far. The relay strips the notes and
 keeps the position of what the client has received. Should the stream then break (connection
 lost, no data for ``stream_idle_s``, an error event from a dying engine, or an end without
-``[DONE]``), the relay asks for the same request on another backend, resumed from exactly that
-position (``poise_resume``): the client sees one uninterrupted stream with the same id, and
-with greedy decoding the same text as a run that never broke. A backend that sends no notes
-(vLLM, TGI, ...) cannot be resumed: its broken stream (an end without ``[DONE]`` included)
-ends with an explicit error event and ``[DONE]``. Never a silent truncation, never text twice.
+``[DONE]``), the relay asks for the rest on another backend (``resume``, which the proxy
+builds): from exactly that position on a poise replica (``poise_resume``), so that the client
+sees one uninterrupted stream with the same id and, with greedy decoding, the same text as a run
+that never broke; from the text the client has seen on any other engine (``continuation``),
+marked as approximate. A stream of another engine is read through its ``Transcript`` (the text
+sent, the usage) when the pool may continue it. A stream that cannot be continued ends with an
+explicit error event and ``[DONE]``. Never a silent truncation, never text twice.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from dataclasses import dataclass, field
 import aiohttp
 import httpx
 
+from poise.gateway.continuation import RESUMED_COMMENT, Transcript
 from poise.gateway.pool import Backend
 from poise.gateway.upstream import Upstream
 from poise.protocol import TOKEN_NOTE_PREFIX, APIError, error_body, parse_token_note
@@ -43,9 +46,18 @@ class StreamPosition:
     text_chars: int = 0
     id: str | None = None
     created: int | None = None
-    noted: bool = False  # the backend sends token notes: it can be resumed
+    noted: bool = False  # the backend sends token notes: it can be resumed exactly
     resumes: int = 0
     failed: str | None = None  # the error event the stream ended with, if it did
+    # The text sent, for a stream another engine may continue; None: only poise backends.
+    transcript: Transcript | None = None
+    mode: str = "exact"  # how the latest resume continued: "exact" or "approximate"
+
+    def can_resume(self) -> bool:
+        if self.noted:
+            return True
+        t = self.transcript
+        return t is not None and (t.continuable or not t.text)
 
 
 Resume = Callable[[StreamPosition, Backend | None], Awaitable[Upstream]]
@@ -93,7 +105,11 @@ def _split(batch: bytes) -> list[bytes]:
 def _backend_error(event: bytes) -> tuple[int, str]:
     try:
         body = json.loads(event[6:])
-        return int(body.get("status_code") or 500), str(body["error"].get("message", ""))
+        error = body["error"]
+        # poise says the status beside the error; vLLM and SGLang as the error's code
+        status = body.get("status_code") or error.get("code")
+        status = status if isinstance(status, int) and 400 <= status < 600 else 500
+        return status, str(error.get("message", ""))
     except (ValueError, KeyError, TypeError, AttributeError):
         return 500, event[:200].decode(errors="replace")
 
@@ -103,11 +119,12 @@ async def relay(
     idle_s: float,
     resume: Resume | None = None,
     max_resumes: int = 2,
-    on_resume: Callable[[bool], None] | None = None,
+    on_resume: Callable[[bool, str], None] | None = None,
     position: StreamPosition | None = None,
 ) -> AsyncIterator[bytes]:
     """``position``: pass one to read, once the stream is over, what the client received."""
     position = position if position is not None else StreamPosition()
+    transcript = position.transcript
     while True:
         current = upstream
         assert current.outcome is not None
@@ -116,30 +133,34 @@ async def relay(
         try:
             timer = current.outcome.timer
             async for batch in _batches(current, idle_s):
-                if not position.noted and not batch.startswith(TOKEN_NOTE_PREFIX):
+                fast = transcript is None and not position.noted
+                if fast and not batch.startswith(TOKEN_NOTE_PREFIX):
                     if timer is not None:
                         timer.tokens(batch.count(b"data: {"))  # an event a token, about
                     done = done or batch.rstrip().endswith(DONE_EVENT.rstrip())
-                    yield batch  # not a poise stream: passed on as it came, whole events
+                    yield batch  # nothing to read of it: passed on as it came, whole events
                     continue
                 if movable and current.backend is not None and current.response is not None:
                     # Resumable from here: if its backend is found dead, the relay should
                     # not wait for stream_idle_s; closing the response breaks the read now.
                     current.backend.movable[current] = current.response.close
                     movable = False
-                # A poise stream: strip the notes, keep the position, watch for its end. The
-                # batch goes out in one piece; only a read from the backend can break it.
+                # Read event by event: strip the notes, keep the position, watch for its end.
+                # The batch goes out in one piece; only a read from the backend can break it.
                 out: list[bytes] = []
                 broke: str | None = None
                 tokens = 0
                 for event in _split(batch):
                     if event.startswith(TOKEN_NOTE_PREFIX):
                         note, _, event = event.partition(b"\n")
-                        ids, chars = parse_token_note(note)
-                        position.noted = True
-                        position.token_ids += ids
-                        position.text_chars = chars
-                        tokens += len(ids)
+                        # After a continuation by text, the notes count another request's
+                        # tokens: no exact resume from them.
+                        if transcript is None or not transcript.approximate:
+                            ids, chars = parse_token_note(note)
+                            position.noted = True
+                            position.token_ids += ids
+                            position.text_chars = chars
+                            tokens += len(ids)
                     if event.startswith(_ERROR_EVENT):
                         status, message = _backend_error(event)
                         if status in _RESUMABLE_ERRORS:
@@ -147,9 +168,17 @@ async def relay(
                             break
                     if event == DONE_EVENT:
                         done = True
-                    elif position.id is None and event.startswith(b"data: {"):
-                        head = json.loads(event[6:])
-                        position.id, position.created = head.get("id"), head.get("created")
+                    elif event.startswith(b"data: {"):
+                        if position.id is None:
+                            head = json.loads(event[6:])
+                            position.id, position.created = head.get("id"), head.get("created")
+                        if transcript is not None:
+                            sent = transcript.events
+                            event = transcript.observe(event)
+                            if not position.noted:
+                                tokens += transcript.events - sent
+                            if not event:
+                                continue  # the usage the gateway asked for, not the client
                     out.append(event)
                 if timer is not None:
                     timer.tokens(tokens)
@@ -166,7 +195,7 @@ async def relay(
             where = failed.url if failed else "the backend"
             log.warning("stream from %s broke after it began: %s", where, exc)
             current.outcome.done("error")
-            if resume is None or not position.noted or position.resumes >= max_resumes:
+            if resume is None or not position.can_resume() or position.resumes >= max_resumes:
                 position.failed = f"the backend failed mid-stream: {exc}"
                 yield _error_event(502, position.failed)
                 return
@@ -175,17 +204,24 @@ async def relay(
                 upstream = await resume(position, failed)
             except APIError as err:
                 if on_resume is not None:
-                    on_resume(False)
+                    on_resume(False, position.mode)
                 position.failed = f"the backend failed mid-stream and could not be resumed: {err}"
                 yield _error_event(err.status, position.failed)
                 return
             if on_resume is not None:
-                on_resume(True)
+                on_resume(True, position.mode)
             log.info(
-                "resumed a stream on %s after %d tokens",
+                "resumed a stream (%s) on %s after %d events",
+                position.mode,
                 upstream.backend.url if upstream.backend else "?",
-                len(position.token_ids),
+                len(position.token_ids)
+                if position.noted
+                else transcript.events
+                if transcript
+                else 0,
             )
+            if position.mode == "approximate":
+                yield RESUMED_COMMENT  # a comment: clients skip it; a reader can see it
         finally:
             if current.backend is not None:
                 current.backend.movable.pop(current, None)

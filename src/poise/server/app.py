@@ -386,7 +386,8 @@ def create_app(
 
     @app.get("/version")
     async def version() -> dict[str, str]:
-        return {"version": __version__, "model": settings.model_name}
+        # "engine" lets a gateway in front tell a poise replica from other engines.
+        return {"version": __version__, "engine": "poise", "model": settings.model_name}
 
     if settings.enable_fault_injection:
 
