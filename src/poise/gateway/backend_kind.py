@@ -6,7 +6,7 @@ server says about itself before it takes traffic (``detect``):
 - ``/version`` naming ``"engine": "poise"``: a poise replica;
 - ``/props`` with llama.cpp's ``default_generation_settings`` or ``build_info``: llama-server;
 - ``/info`` with TGI's ``router``: text-generation-inference;
-- ``/get_server_info`` answering a JSON object: SGLang;
+- ``/get_server_info`` answering its server arguments (``model_path``): SGLang;
 - ``/version`` answering a ``version`` and nothing of the above: vLLM;
 - anything else that answers: some other OpenAI-compatible server (``openai``).
 
@@ -126,7 +126,8 @@ async def detect(
     info = await ask("/info")
     if isinstance(info, dict) and "router" in info and "model_id" in info:
         return "tgi"
-    if isinstance(await ask("/get_server_info"), dict):
+    server_info = await ask("/get_server_info")
+    if isinstance(server_info, dict) and "model_path" in server_info:  # its server args
         return "sglang"
     if isinstance(version, dict) and isinstance(version.get("version"), str):
         return "vllm"

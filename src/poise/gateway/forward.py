@@ -40,6 +40,7 @@ from opentelemetry import trace
 
 from poise.gateway.outcome import CutOff, Outcome
 from poise.gateway.pool import Backend, Pool
+from poise.gateway.prefix import Affinity
 from poise.gateway.upstream import (
     Upstream,
     error_code,
@@ -134,7 +135,7 @@ class Forwarder:
         headers: dict[str, str],
         deadline: float,
         stream: bool,
-        affinity: bytes | None,
+        affinity: Affinity | None,
         journey: Attempt,
         call: Call = COMPLETION,
     ) -> Upstream:

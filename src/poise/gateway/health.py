@@ -109,7 +109,7 @@ async def _probe(
         return False, True
     backend.draining = r.status_code != 200 and _says_draining(r)
     # A refusal for load is an answer from a live engine: routing weighs its load.
-    return r.status_code == 200 or (r.status_code == 429 and kind.probe != "poise"), False
+    return r.is_success or (r.status_code == 429 and kind.probe != "poise"), False
 
 
 async def _load(

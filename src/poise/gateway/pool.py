@@ -17,10 +17,11 @@ silent loses the choice at once; a backend whose report is stale counts as busy,
 is not evidence of idleness. One whose time per token stays several times the others' is taken
 out (``poise.resilience.slow_ejection``) until its probes say it is fast again.
 
-Prefix affinity: requests whose prompts begin alike carry the same affinity key; rendezvous
-hashing maps a key to one backend among the eligible ones, so the prefix cache there gets the
+Prefix affinity: a request carries the hash chain of its prompt's leading blocks
+(``poise.gateway.prefix``); the pool prefers the backends that have seen the longest run of
+those blocks (with none, the first block's rendezvous hash), so the prefix cache there gets the
 hits. The affinity choice is taken unless it is clearly busier than the least loaded backend;
-when a backend leaves, only its keys move.
+when a backend leaves, only its prefixes move.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from dataclasses import dataclass, field
 
 from poise.gateway.backend_kind import Kind
 from poise.gateway.config import BackendSettings, GatewaySettings
+from poise.gateway.prefix import Affinity, PrefixIndex
 from poise.resilience.breaker import BreakerConfig, BreakerState, CircuitBreaker
 from poise.resilience.ejection import EjectionConfig, OutlierDetector
 from poise.resilience.latency import LatencyConfig, LatencyTracker
@@ -114,6 +116,7 @@ class Pool:
             knobs = slow.model_dump(exclude={"enabled"})
             self.slow = SlowOutlierDetector(self.latency, SlowEjectionConfig(**knobs))
         self._slow_judged_at = -float("inf")
+        self.prefixes = PrefixIndex()
         self.backends: list[Backend] = []
         for bs in settings.models[model].backends:
             if bs.discovery == "static":
@@ -155,6 +158,7 @@ class Pool:
             if self.slow is not None:
                 self.slow.remove(b.url)
             self.latency.remove(b.url)
+            self.prefixes.forget(b.url)
         return gone
 
     def eligible(self, exclude: frozenset[Backend] = frozenset()) -> list[Backend]:
@@ -246,7 +250,7 @@ class Pool:
 
     def pick(
         self,
-        affinity: bytes | None = None,
+        affinity: Affinity | None = None,
         exclude: frozenset[Backend] = frozenset(),
         unable: frozenset[Backend] = frozenset(),
     ) -> Backend | None:
@@ -261,23 +265,29 @@ class Pool:
         ]
         if not candidates:
             return None
-        if len(candidates) == 1:
-            return candidates[0]
+        chosen = candidates[0] if len(candidates) == 1 else self._choose(candidates, affinity)
+        if affinity is not None:
+            self.prefixes.record(affinity, chosen.url)
+        return chosen
+
+    def _choose(self, candidates: list[Backend], affinity: Affinity | None) -> Backend:
         least = min(self.score(b) for b in candidates)
         if affinity is not None:
-            preferred = max(candidates, key=lambda b: _rendezvous(affinity, b.url))
+            preferred = self._by_prefix(candidates, affinity)
             if self.score(preferred) <= least + AFFINITY_SLACK:
                 return preferred
         a, b = self.rng.sample(candidates, 2)
         return a if self.score(a) <= self.score(b) else b
 
+    def _by_prefix(self, candidates: list[Backend], affinity: Affinity) -> Backend:
+        """The least loaded of the backends that have seen the longest run of the prompt's
+        leading blocks; with none, the first block's rendezvous choice."""
+        matched = {b: self.prefixes.matched(affinity, b.url) for b in candidates}
+        longest = max(matched.values())
+        if longest == 0:
+            return max(candidates, key=lambda b: _rendezvous(affinity[0], b.url))
+        return min((b for b in candidates if matched[b] == longest), key=self.score)
+
 
 def _rendezvous(key: bytes, url: str) -> int:
     return int.from_bytes(hashlib.blake2b(key + url.encode(), digest_size=8).digest(), "big")
-
-
-def affinity_key(prompt_text: str, prefix_chars: int = 256) -> bytes | None:
-    """The leading block of a prompt; short prompts share too little to be worth pinning."""
-    if len(prompt_text) < prefix_chars // 2:
-        return None
-    return prompt_text[:prefix_chars].encode()

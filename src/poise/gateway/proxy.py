@@ -43,7 +43,8 @@ from poise.gateway.handling import (
     held_priority,
     require_model,
 )
-from poise.gateway.pool import Backend, affinity_key
+from poise.gateway.pool import Backend
+from poise.gateway.prefix import Affinity, affinity_of
 from poise.gateway.record import RequestRecord
 from poise.gateway.request_body import (
     estimate_tokens,
@@ -127,7 +128,7 @@ async def _handle(
             strip_usage=not asks_usage(data),
             continuable=continuable(path, data),
         )
-    affinity = affinity_key(text)
+    affinity = affinity_of(data)
     cache = gw.caches.get(model)
     ckey = cache_key(path, data) if cache is not None else None
     entered = False
@@ -262,7 +263,7 @@ async def _with_fallback(
     headers: dict[str, str],
     deadline: float,
     transcript: Transcript | None,
-    affinity: bytes | None,
+    affinity: Affinity | None,
     span: trace.Span | None,
     journeys: list[Attempt],
 ) -> tuple[Upstream, str]:

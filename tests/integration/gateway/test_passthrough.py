@@ -71,8 +71,8 @@ class Backend:
     async def handle(self, request: web.Request) -> web.StreamResponse:
         body = await request.read()
         path = request.path
-        if path in ("/health", "/metrics"):
-            return web.json_response({"status": "ok"}) if path == "/health" else web.Response()
+        if path in ("/health", "/metrics", "/v1/models"):  # the gateway's checks
+            return web.json_response({"status": "ok"}) if path != "/metrics" else web.Response()
         headers = {k.lower(): v for k, v in request.headers.items()}
         self.seen.append(Seen(request.method, request.path_qs, headers, body))
         if path in self.fail:
@@ -172,7 +172,7 @@ def start() -> Iterator[Start]:
         weights = {"m": m, "other": other}
         config = {
             "models": {
-                name: {"backends": [{"url": b.url, "weight": w}
+                name: {"backends": [{"url": b.url, "weight": w, "kind": "openai"}
                                     for b, w in zip(bs, weights[name], strict=True)]}
                 for name, bs in pools.items()
             },

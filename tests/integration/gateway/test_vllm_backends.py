@@ -137,9 +137,7 @@ def test_load_from_vllm_metrics_moves_routing(gateway, engines):
     assert moved == {a.url: 0, b.url: 10}, seen
 
 
-def test_a_stream_is_charged_its_usage_and_the_usage_chunk_is_the_client_s_choice(
-    gateway, engines
-):
+def test_a_stream_is_charged_its_usage_and_the_usage_chunk_is_the_client_s_choice(gateway, engines):
     a, b = engines["A"], engines["B"]
     g = gateway(a, b, keys=[{"key": "sk-tokens-01", "name": "t", "tokens_per_minute": 400}])
     auth = {"Authorization": "Bearer sk-tokens-01"}
@@ -282,9 +280,12 @@ def _kill_check(g: GatewayProcess, killed: Any, survivor: VllmProcess) -> None:
         opening = _text(after[:3])
         assert opening and expected_text.startswith(opening), (sent[-40:], opening)
     assert resumed >= on_killed
-    assert gateway_metric(
-        g.url, "poise_gateway_stream_migrations_total", result="resumed", mode="approximate"
-    ) == resumed
+    assert (
+        gateway_metric(
+            g.url, "poise_gateway_stream_migrations_total", result="resumed", mode="approximate"
+        )
+        == resumed
+    )
 
 
 def test_mixed_pool_a_poise_replica_killed_under_streams_continues_on_vllm(gateway, engines):

@@ -90,7 +90,12 @@ def gateway(
     backends = [FakeBackend() for _ in range(n)]
     settings = GatewaySettings.model_validate(
         {
-            "models": {"m": {"backends": [{"url": b.url} for b in backends] + (dns or [])}},
+            "models": {
+                "m": {
+                    "backends": [{"url": b.url, "kind": "poise"} for b in backends]
+                    + [{"kind": "poise", **d} for d in dns or []]
+                }
+            },
             "health": {"interval_s": 0.05, "timeout_s": 1.0, "generate_probe": False},
             **extra,
         }
@@ -131,8 +136,9 @@ def test_a_drained_backend_gets_no_new_request_and_comes_back_only_through_its_c
         assert until(lambda: sorted(eligible(client)) == sorted([a.url, b.url]))
         r = client.post("/admin/backends/drain", json={"model": "m", "url": b.url + "/"})
         assert r.status_code == 200, r.text
-        assert r.json() == {"model": "m", "url": b.url, "draining": True, "healthy": True,
-                            "checked": True, "eligible": False, "inflight": 0}  # fmt: skip
+        assert r.json() == {"model": "m", "url": b.url, "kind": "poise", "draining": True,
+                            "healthy": True, "checked": True, "eligible": False,
+                            "inflight": 0}  # fmt: skip
         before = b.completions
         assert all(complete(client).status_code == 200 for _ in range(20))
         assert b.completions == before and a.completions >= 20

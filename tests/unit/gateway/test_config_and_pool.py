@@ -8,7 +8,8 @@ import pytest
 
 from poise.config import ConfigError
 from poise.gateway.config import GatewaySettings, load_gateway_settings
-from poise.gateway.pool import Pool, affinity_key
+from poise.gateway.pool import Pool
+from poise.gateway.prefix import PrefixIndex, affinity_of, prompt_blocks
 from poise.resilience.breaker import CallTiming
 
 
@@ -84,14 +85,65 @@ def test_ejection_and_health_together_never_empty_the_pool():
     assert set(pool.eligible()) == {a, b}
 
 
+def _chat(system: str, user: str) -> dict:
+    return {"messages": [{"role": "system", "content": system}, {"role": "user", "content": user}]}
+
+
 def test_prefix_affinity_is_sticky_unless_much_busier():
     pool = Pool("m", settings(3), Clock(), random.Random(0))
-    key = affinity_key("a shared system prompt " * 20)
+    key = affinity_of({"prompt": "a shared system prompt " * 20})
     first = pool.pick(key)
     assert all(pool.pick(key) is first for _ in range(20))
     first.inflight = 50
     assert pool.pick(key) is not first
-    assert affinity_key("short") is None
+    assert affinity_of({"prompt": "short"}) is None
+
+
+def test_chats_that_share_a_long_system_prompt_land_together():
+    """Whatever follows a shared system prompt, under any seed of the router's choices."""
+    system = "You are a careful assistant for the billing team. " * 30  # ~1500 characters
+    for seed in range(20):
+        pool = Pool("m", settings(4), Clock(), random.Random(seed))
+        chats = [affinity_of(_chat(system, f"question {i} " * (i + 1))) for i in range(12)]
+        assert all(c is not None for c in chats)
+        assert len({pool.pick(c) for c in chats}) == 1
+
+
+def test_the_longest_matching_prefix_wins_over_the_first_block():
+    """Two conversations share their first blocks, then part: each follow-up goes where its own
+    conversation ran, though a key of the first block alone sends both to one place."""
+    pool = Pool("m", settings(2), Clock(), random.Random(0))
+    a, b = pool.backends
+    shared = "x" * 600
+    one, two = shared + "one " * 200, shared + "two " * 200
+    pool.prefixes.record(affinity_of({"prompt": one}), a.url)
+    pool.prefixes.record(affinity_of({"prompt": two}), b.url)
+    assert pool.pick(affinity_of({"prompt": one + " and more"})) is a
+    assert pool.pick(affinity_of({"prompt": two + " and more"})) is b
+
+
+def test_prompt_blocks_are_cut_from_tokens_or_normalised_text():
+    assert len(prompt_blocks({"prompt": list(range(130))})) == 2  # 64 ids a block
+    assert prompt_blocks({"prompt": "a" * 255}) == []
+    # The role is part of the text: a user's words are not a system prompt's.
+    as_system = affinity_of(_chat("s" * 300, "u"))
+    as_user = affinity_of({"messages": [{"role": "user", "content": "s" * 300}]})
+    assert as_system is not None and as_user is not None and as_system[0] != as_user[0]
+    # Content in parts hashes as its text.
+    parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": "s" * 300}]}]}
+    assert affinity_of(parts) == as_user
+
+
+def test_the_prefix_index_is_bounded_and_forgets_a_backend():
+    index = PrefixIndex(max_entries=10)
+    chain = affinity_of({"prompt": "y" * 256 * 20})
+    assert chain is not None and len(chain) == 20
+    index.record(chain, "http://a")
+    assert len(index) == 10 and index.matched(chain, "http://a") == 0  # the oldest went first
+    index.record(chain[:5], "http://b")
+    assert index.matched(chain[:5], "http://b") == 5
+    index.forget("http://b")
+    assert index.matched(chain[:5], "http://b") == 0
 
 
 def test_stale_load_reports_count_as_busy():

@@ -89,7 +89,9 @@ async def test_a_broken_noted_stream_resumes_from_what_the_client_has():
 
     resumed: list[bool] = []
     position = StreamPosition()
-    raw = await collect(relay(first, 5.0, resume, on_resume=resumed.append, position=position))
+    raw = await collect(
+        relay(first, 5.0, resume, on_resume=lambda ok, _: resumed.append(ok), position=position)
+    )
     assert seen == [([5, 6], 3, "cmpl-1")]
     # What the client got in all, for the token limits: across both backends.
     assert position.token_ids == [5, 6, 7, 8] and position.text_chars == 6
