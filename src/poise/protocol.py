@@ -78,6 +78,10 @@ ATTEMPT_COUNT_HEADER = "x-poise-attempt-count"
 # break, resumes the generation on another replica from exactly there (``poise_resume``).
 STREAM_TOKENS_HEADER = "x-poise-stream-tokens"
 TOKEN_NOTE_PREFIX = b": poise-tokens "
+# Set by the gateway (never passed on from a client) on a request that continues a stream the
+# client is already receiving, from its text (another engine's broken stream): a replica admits
+# it past its predicted-wait bounds, as it does a ``poise_resume``.
+CONTINUATION_HEADER = "x-poise-continuation"
 
 
 def token_note(token_ids: list[int], text_chars: int) -> bytes:

@@ -20,7 +20,7 @@ stream takes the first stream's id and creation time, and its opening role chunk
 A request that cannot be continued by text (several choices, log probabilities, echo, a
 ``suffix``, tools or a structured-output constraint, a prompt that is not one string) breaks with
 an explicit error event, as does a stream that has sent tool calls or reasoning; one that broke
-before any text was sent is simply sent again.
+before anything of the answer was sent is simply sent again.
 
 The transcript also takes the usage the gateway asked for (``stream_options.include_usage``,
 added for backends whose kind honours it) so that the rate limits are charged what was used,
@@ -81,6 +81,9 @@ class Transcript:
     continuable: bool = True
     text: str = ""
     events: int = 0  # events that carried text: about one token each
+    # The client has received something of the answer (text, tool calls, reasoning): a
+    # continuation can no longer start it afresh.
+    sent_any: bool = False
     id: str | None = None
     created: int | None = None
     model: str | None = None
@@ -124,6 +127,7 @@ class Transcript:
         if text:
             self.text += text
             self.events += 1
+            self.sent_any = True
         if not self.approximate:
             return event
         if self._drop_role and not text and _role_only(choices):
@@ -145,6 +149,7 @@ class Transcript:
             return ""
         if delta.get("tool_calls") or delta.get("function_call") or delta.get("reasoning_content"):
             self.continuable = False
+            self.sent_any = True
         content = delta.get("content")
         return content if isinstance(content, str) else ""
 
@@ -204,8 +209,8 @@ def continued_body(
 ) -> dict[str, Any] | None:
     """The request that continues ``transcript`` on a backend of ``kind``; None when that kind
     cannot continue it."""
-    if not transcript.text:
-        return data  # nothing seen yet: the same request, from the start
+    if not transcript.sent_any:
+        return data  # nothing of the answer seen yet: the same request, from the start
     if not transcript.continuable or not continuable(path, data):
         return None
     body = dict(data)
@@ -223,13 +228,14 @@ def continued_body(
         return None
     messages = list(data["messages"])
     last = messages[-1] if messages else None
-    if (
-        data.get("continue_final_message")
-        and isinstance(last, dict)
-        and isinstance(last.get("content"), str)
-    ):
-        # The client was already continuing its own final assistant message.
-        messages[-1] = {**last, "content": last["content"] + transcript.text}
+    if data.get("continue_final_message") and isinstance(last, dict):
+        # The client was already continuing its own final assistant message: it grows.
+        content = last.get("content")
+        if isinstance(content, list):
+            content = [*content, {"type": "text", "text": transcript.text}]
+        else:
+            content = (content if isinstance(content, str) else "") + transcript.text
+        messages[-1] = {**last, "content": content}
     else:
         messages.append({"role": "assistant", "content": transcript.text})
     body["messages"] = messages

@@ -37,7 +37,7 @@ def gateway_state(gw: GatewayCore) -> dict[str, Any]:
                         "waiting": load.waiting,
                         "running": load.running,
                         "kv_usage": load.kv_usage,
-                        "generated_tokens": load.generated,
+                        "processed_tokens": load.processed,
                         "age_s": None if load.at is None else round(now - load.at, 3),
                     },
                 }

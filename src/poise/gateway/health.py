@@ -8,11 +8,15 @@ every round fails. Then each round asks, by kind (``backend_kind.Traits``):
   from the HTTP process while the engine under it is stuck); on a hosted ``openai`` backend
   ``/v1/models`` (a generation there is a bill);
 - the load the router uses, from the backend's own ``/metrics`` under its kind's names (or
-  llama-server's ``/slots``), with the count of tokens it has generated.
+  llama-server's ``/slots``), with its counts of tokens prefilled and generated.
 
 A generation probe of another engine waits in its batch like any request. When it does not
-answer in ``timeout_s`` while the backend's generated-token count went up since the last round,
-the backend is busy, not stuck, and the round passes; a stuck engine generates nothing.
+answer in ``timeout_s`` while the backend's counts of tokens went up since the last round, the
+backend is busy, not stuck, and the round passes; a stuck engine processes nothing. (On the
+first round, with nothing to compare, one that reports running requests gets the benefit of the
+doubt for that round.) A failed read of the load fails no round: the load goes stale, which
+routing counts as busy. The load read may take twice ``timeout_s``: a busy engine's HTTP server
+is slow to export too.
 
 A backend is marked down after ``unhealthy_after`` failed rounds and up after ``healthy_after``
 good ones. A probe that does not answer within ``timeout_s`` is a failed round: a port that
@@ -57,28 +61,41 @@ async def check_once(
         if backend.kind is None:
             return False
         log.info("backend %s is %s", backend.url, backend.kind)
-    try:
-        t0 = clock()
-        ok, timed_out = await _probe(client, backend, cfg, headers)
-        generation = cfg.generate_probe and traits(backend.kind).probe != "models"
-        if ok and latency is not None and generation:
-            # How long a one-token generation took: what lets a backend out for slowness
-            # back in (a plain /health is fast on a slow engine too).
-            latency.observe_probe(backend.url, clock() - t0)
-        before = backend.load.generated
-        report = await _load(client, backend, cfg, headers)
-        if report is not None:
-            backend.load.waiting = report.waiting
-            backend.load.running = report.running
-            backend.load.kv_usage = report.kv_usage
-            backend.load.generated = report.generated
-            backend.load.at = clock()  # the pool judges staleness on the same clock
-            if timed_out and _progressed(before, report):
-                log.debug("backend %s: probe timed out while it generated: busy", backend.url)
-                ok = True
-        return ok
-    except httpx.HTTPError:
+    # The probe and the load read side by side: a generation that takes its whole timeout on
+    # a busy engine must not leave the load report older than routing trusts.
+    before = backend.load.processed
+    t0 = clock()
+    probed, loaded = await asyncio.gather(
+        _probe(client, backend, cfg, headers),
+        _load(client, backend, cfg, headers),
+        return_exceptions=True,
+    )
+    if isinstance(probed, BaseException):
+        if not isinstance(probed, httpx.HTTPError):
+            raise probed
         return False
+    ok, timed_out = probed
+    generation = cfg.generate_probe and traits(backend.kind).probe != "models"
+    if ok and latency is not None and generation:
+        # How long a one-token generation took: what lets a backend out for slowness back in
+        # (a plain /health is fast on a slow engine too).
+        latency.observe_probe(backend.url, clock() - t0)
+    if isinstance(loaded, BaseException):
+        if not isinstance(loaded, httpx.HTTPError):
+            raise loaded
+        # No report this round: the load goes stale (routing counts it as busy); the probe
+        # alone says whether the backend is up.
+        return ok
+    if loaded is not None:
+        backend.load.waiting = loaded.waiting
+        backend.load.running = loaded.running
+        backend.load.kv_usage = loaded.kv_usage
+        backend.load.processed = loaded.processed
+        backend.load.at = clock()  # the pool judges staleness on the same clock
+        if timed_out and _busy(before, loaded):
+            log.debug("backend %s: probe timed out while it processed tokens: busy", backend.url)
+            ok = True
+    return ok
 
 
 async def _probe(
@@ -118,13 +135,16 @@ async def _load(
     kind = traits(backend.kind)
     if not (kind.waiting or kind.running):
         return None  # nothing to read: its load is the gateway's own count
-    m = await client.get(backend.url + "/metrics", headers=headers, timeout=cfg.timeout_s)
+    # A busy engine's HTTP server is slow to export too: the load read may take longer than
+    # the probe (the pool judges a report stale only after that and three rounds).
+    timeout = load_timeout_s(cfg)
+    m = await client.get(backend.url + "/metrics", headers=headers, timeout=timeout)
     if m.status_code == 200:
         report = parse_metrics(m.text, kind, m.headers.get("content-type", ""))
         if report is not None:
             return report
     if kind.slots:  # llama-server without --metrics still lists its slots
-        s = await client.get(backend.url + "/slots", headers=headers, timeout=cfg.timeout_s)
+        s = await client.get(backend.url + "/slots", headers=headers, timeout=timeout)
         if s.status_code == 200:
             try:
                 return parse_slots(s.json())
@@ -133,8 +153,18 @@ async def _load(
     return None
 
 
-def _progressed(before: float | None, report: LoadReport) -> bool:
-    return before is not None and report.generated is not None and report.generated > before
+def load_timeout_s(cfg: HealthSettings) -> float:
+    return 2 * cfg.timeout_s
+
+
+def _busy(before: float | None, report: LoadReport) -> bool:
+    """Its token counts went up since the last round; on the first round (nothing to compare
+    with), it says it is running requests: the benefit of the doubt for one round."""
+    if report.processed is None:
+        return False
+    if before is None:
+        return report.running > 0
+    return report.processed > before
 
 
 def _says_draining(response: httpx.Response) -> bool:
@@ -183,4 +213,6 @@ async def watch(
             log.warning("backend %s is now %s", backend.url, "up" if changed else "down")
             if not changed:
                 on_down(backend)
+                # What answers there next may be another engine (a redeploy): ask again.
+                backend.kind = backend.settings.kind
         await asyncio.sleep(cfg.interval_s)

@@ -52,7 +52,7 @@ class ReportedLoad:
     waiting: float = 0.0
     running: float = 0.0
     kv_usage: float = 0.0
-    generated: float | None = None  # the backend's count of tokens generated, if it exports one
+    processed: float | None = None  # its count of tokens prefilled and generated, if exported
     at: float | None = None  # when it was read; None: never
 
 
@@ -102,7 +102,8 @@ class Pool:
         self.model = model
         self.clock = clock
         self.rng = rng or random.Random()
-        self.stale_after_s = 3 * settings.health.interval_s + settings.health.timeout_s
+        # Three rounds, and the longest a load read may take (``health.load_timeout_s``).
+        self.stale_after_s = 3 * settings.health.interval_s + 2 * settings.health.timeout_s
         self._breaker_config = BreakerConfig(**settings.breaker.model_dump())
         self._on_breaker_change = on_breaker_change
         self._remote_out: dict[str, float] = {}  # url -> clock time: another gateway's verdict

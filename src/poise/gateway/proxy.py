@@ -57,7 +57,12 @@ from poise.gateway.response_cache import cache_key
 from poise.gateway.stream import StreamPosition, relay
 from poise.gateway.upstream import Upstream
 from poise.observability import tracing as tr
-from poise.protocol import ATTEMPT_COUNT_HEADER, STREAM_TOKENS_HEADER, APIError
+from poise.protocol import (
+    ATTEMPT_COUNT_HEADER,
+    CONTINUATION_HEADER,
+    STREAM_TOKENS_HEADER,
+    APIError,
+)
 
 log = logging.getLogger("poise.gateway.access")
 
@@ -184,7 +189,11 @@ async def _handle(
 
     async def resume(position: StreamPosition, failed: Backend | None) -> Upstream:
         assert gw.forwarder is not None
+        pool = gw.pools[served_by]
         exact = position.noted and can_resume
+        # While a poise replica can take it, the exact resume; another engine only without.
+        exact_only = exact and any(b.kind == "poise" and b is not failed for b in pool.eligible())
+        position.mode = "exact" if exact_only else "approximate"  # what a failure is counted as
 
         def body_for(backend: Backend) -> bytes | None:
             if exact and backend.kind == "poise":
@@ -194,8 +203,11 @@ async def _handle(
                     "id": position.id,
                     "created": position.created,
                 }
-                return json.dumps({**data, "model": served_by, "poise_resume": state}).encode()
-            if transcript is None:
+                resumed = {**data, "model": served_by, "poise_resume": state}
+                if transcript is not None:  # it reads (and drops) the usage chunk
+                    resumed = with_stream_usage(resumed)
+                return json.dumps(resumed).encode()
+            if transcript is None or exact_only:
                 return None
             continued = continued_body(data, path, transcript, backend.kind)
             if continued is None:
@@ -206,9 +218,9 @@ async def _handle(
             return json.dumps(continued).encode()
 
         journey = Attempt(tried=[failed] if failed is not None else [], span=span)
-        up = await gw.forwarder.send(
-            gw.pools[served_by], path, body_for, headers, deadline, True, affinity, journey
-        )
+        # A stream the client is receiving: a replica admits it past its wait bounds.
+        sent = {**headers, CONTINUATION_HEADER: "1"}
+        up = await gw.forwarder.send(pool, path, body_for, sent, deadline, True, affinity, journey)
         if exact and up.backend is not None and up.backend.kind == "poise":
             position.mode = "exact"
         else:

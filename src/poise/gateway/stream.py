@@ -57,7 +57,7 @@ class StreamPosition:
         if self.noted:
             return True
         t = self.transcript
-        return t is not None and (t.continuable or not t.text)
+        return t is not None and (t.continuable or not t.sent_any)
 
 
 Resume = Callable[[StreamPosition, Backend | None], Awaitable[Upstream]]
@@ -125,12 +125,15 @@ async def relay(
     """``position``: pass one to read, once the stream is over, what the client received."""
     position = position if position is not None else StreamPosition()
     transcript = position.transcript
+    announce = False  # a continuation by text begins: say so before its first event
     while True:
         current = upstream
         assert current.outcome is not None
-        done = ok = False
-        movable = current.backend is not None and resume is not None
+        done = ok = registered = False
         try:
+            if announce:
+                announce = False
+                yield RESUMED_COMMENT  # a comment: clients skip it; a reader can see it
             timer = current.outcome.timer
             async for batch in _batches(current, idle_s):
                 fast = transcript is None and not position.noted
@@ -140,11 +143,16 @@ async def relay(
                     done = done or batch.rstrip().endswith(DONE_EVENT.rstrip())
                     yield batch  # nothing to read of it: passed on as it came, whole events
                     continue
-                if movable and current.backend is not None and current.response is not None:
+                resumable = resume is not None and position.can_resume()
+                if resumable != registered and current.backend and current.response is not None:
                     # Resumable from here: if its backend is found dead, the relay should
                     # not wait for stream_idle_s; closing the response breaks the read now.
-                    current.backend.movable[current] = current.response.close
-                    movable = False
+                    # One that can no longer be continued (it sent a tool call) runs to its end.
+                    if resumable:
+                        current.backend.movable[current] = current.response.close
+                    else:
+                        current.backend.movable.pop(current, None)
+                    registered = resumable
                 # Read event by event: strip the notes, keep the position, watch for its end.
                 # The batch goes out in one piece; only a read from the backend can break it.
                 out: list[bytes] = []
@@ -220,8 +228,7 @@ async def relay(
                 if transcript
                 else 0,
             )
-            if position.mode == "approximate":
-                yield RESUMED_COMMENT  # a comment: clients skip it; a reader can see it
+            announce = position.mode == "approximate"
         finally:
             if current.backend is not None:
                 current.backend.movable.pop(current, None)

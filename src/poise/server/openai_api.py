@@ -19,6 +19,7 @@ from poise.engine.request import SamplingParams
 from poise.engine.structured import GuidedDecoding
 from poise.observability.tracing import INPUT_TOKENS, RESPONSE_ID
 from poise.protocol import (
+    CONTINUATION_HEADER,
     DEADLINE_HEADER,
     STREAM_TOKENS_HEADER,
     APIError,
@@ -94,12 +95,14 @@ def _start(
     deadline: float | None,
     add_special_tokens: bool,
     resume: Resume | None = None,
+    continues: bool = False,
 ) -> list[Prepared]:
     replica.check_accepting()
     group = replica.prepare(prompts, samplings, priority, deadline, add_special_tokens, resume)
     # Only a resume that carries generated tokens continues anything (an empty one is a fresh
-    # request under another name, and gets no pass).
-    continuation = resume is not None and len(resume.token_ids) > 0
+    # request under another name, and gets no pass); or the gateway's continuation of another
+    # engine's stream from its text (``continues``).
+    continuation = continues or (resume is not None and len(resume.token_ids) > 0)
     replica.admit(group, priority, deadline, continuation=continuation)
     return group
 
@@ -239,7 +242,8 @@ def create_completion(
     priority = priority_from(body.priority, headers.get("x-priority"))
     deadline = replica.deadline_from(headers.get(DEADLINE_HEADER))
     resume = _resume(body, len(expanded))
-    group = _start(replica, expanded, samplings, priority, deadline, True, resume)
+    continues = headers.get(CONTINUATION_HEADER) == "1"
+    group = _start(replica, expanded, samplings, priority, deadline, True, resume, continues)
     call = _call(replica, group, body, False, model, headers)
     include = bool(body.stream_options and body.stream_options.include_usage)
     tokenizer = replica.engine.tokenizer
@@ -305,7 +309,10 @@ def create_chat_completion(
     deadline = replica.deadline_from(headers.get(DEADLINE_HEADER))
     resume = _resume(body, body.n)
     # The template writes the special tokens itself.
-    group = _start(replica, [prompt] * body.n, samplings, priority, deadline, False, resume)
+    continues = headers.get(CONTINUATION_HEADER) == "1"
+    group = _start(
+        replica, [prompt] * body.n, samplings, priority, deadline, False, resume, continues
+    )
     call = _call(replica, group, body, True, model, headers)
     call.tools = plan if plan is not None and plan.mode != "none" else None
     include = bool(body.stream_options and body.stream_options.include_usage)

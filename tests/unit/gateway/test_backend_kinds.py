@@ -25,7 +25,7 @@ ANSWERS: dict[str, dict[str, Any]] = {
         "/props": {"build_info": "b8681", "total_slots": 4, "default_generation_settings": {}},
     },
     "tgi": {"/info": {"model_id": "m", "router": "text-generation-router", "version": "3.0"}},
-    "openai": {},  # answers, but says nothing of itself
+    "openai": {"/v1/models": {"object": "list", "data": []}},  # says nothing of itself
 }
 
 
@@ -49,6 +49,13 @@ async def test_a_backend_that_does_not_answer_is_not_detected_yet():
         raise httpx.ConnectError("refused", request=request)
 
     async with httpx.AsyncClient(transport=httpx.MockTransport(refuse)) as client:
+        assert await detect(client, "http://b", {}, 1.0) is None
+
+
+async def test_a_server_that_answers_no_success_is_not_detected_yet():
+    """A proxy's 502 or a server still starting is asked again, not taken for a kind."""
+    bad = httpx.MockTransport(lambda request: httpx.Response(502, text="bad gateway"))
+    async with httpx.AsyncClient(transport=bad) as client:
         assert await detect(client, "http://b", {}, 1.0) is None
 
 
@@ -125,7 +132,7 @@ vllm:generation_tokens_total{model_name="m"} 5.0 # {trace_id="abc"} 1.0 17333568
 def test_load_is_read_by_each_engine_s_own_names(kind, text, expected):
     report = parse_metrics(text, TRAITS[kind])
     assert report is not None
-    assert (report.waiting, report.running, report.kv_usage, report.generated) == expected
+    assert (report.waiting, report.running, report.kv_usage, report.processed) == expected
 
 
 def test_another_engine_s_names_are_not_read_as_load():
@@ -135,7 +142,21 @@ def test_another_engine_s_names_are_not_read_as_load():
 
 def test_openmetrics_with_exemplars_is_read_as_openmetrics():
     report = parse_metrics(OPENMETRICS, TRAITS["vllm"], "application/openmetrics-text")
-    assert report is not None and (report.waiting, report.generated) == (2.0, 5.0)
+    assert report is not None and (report.waiting, report.processed) == (2.0, 5.0)
+
+
+def test_kv_usage_is_the_fullest_engine_s_under_one_name():
+    """Two engines at 60 % are not 120 %; the deprecated name beside the current one is the
+    same fraction said twice."""
+    text = """\
+vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.6
+vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.5
+vllm:gpu_cache_usage_perc{engine="0",model_name="m"} 0.6
+vllm:prompt_tokens_total{engine="0",model_name="m"} 10
+vllm:generation_tokens_total{engine="0",model_name="m"} 5
+"""
+    report = parse_metrics(text, TRAITS["vllm"])
+    assert report is not None and report.kv_usage == 0.6 and report.processed == 15.0
 
 
 def test_an_exposition_that_does_not_parse_is_no_report():

@@ -226,3 +226,27 @@ def test_slow_ejection_never_takes_the_last_backend_and_can_be_turned_off():
     assert pool.eligible() == [a] and not pool.slow_ejected(a)
     off = Pool("m", settings(2, slow_ejection={"enabled": False}), clock, random.Random(0))
     assert off.slow is None
+
+
+def test_a_backend_that_cannot_serve_the_request_is_never_picked():
+    """``unable``: an engine that cannot continue this stream; unlike ``exclude`` (tried
+    already) it is not used again when nothing else is left."""
+    pool = Pool("m", settings(2), Clock(), random.Random(0))
+    a, b = pool.backends
+    assert {pool.pick(unable=frozenset({a})) for _ in range(20)} == {b}
+    assert {pool.pick(exclude=frozenset({b}), unable=frozenset({a})) for _ in range(5)} == {b}
+    assert pool.pick(unable=frozenset({a, b})) is None
+
+
+def test_what_a_backend_reports_running_counts_as_its_load():
+    """Requests other clients send it load it as much as the gateway's own."""
+    clock = Clock()
+    pool = Pool("m", settings(2), clock, random.Random(0))
+    a, b = pool.backends
+    for backend in (a, b):
+        backend.load.at = clock.now
+    a.load.running = 8.0
+    assert {pool.pick() for _ in range(20)} == {b}
+    # The gateway's own count, when it is more (the report lags by a round).
+    a.load.running, b.inflight = 0.0, 5
+    assert {pool.pick() for _ in range(20)} == {a}

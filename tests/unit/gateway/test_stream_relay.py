@@ -8,6 +8,7 @@ import json
 import httpx
 import pytest
 
+from poise.gateway.continuation import RESUMED_COMMENT, Transcript
 from poise.gateway.stream import StreamPosition, relay
 from poise.gateway.upstream import Upstream
 from poise.protocol import APIError, token_note
@@ -183,3 +184,91 @@ async def test_the_relay_times_the_backend_by_its_tokens():
     # Peak EWMA of 50 ms (two tokens in one read) then 100 ms per token: the peak holds.
     assert tracker.tpot("http://b") == pytest.approx(0.1)
     assert tracker.tpot_samples("http://b") == 2
+
+
+def chat(content: str | None = None, rid: str = "c1", role: bool = False, **delta) -> bytes:
+    d = {**({"role": "assistant"} if role else {}), **delta}
+    if content is not None:
+        d["content"] = content
+    body = {"id": rid, "created": 7, "model": "m", "choices": [{"index": 0, "delta": d}]}
+    return b"data: " + json.dumps(body).encode() + b"\n\n"
+
+
+def contents(raw: bytes) -> list[dict]:
+    return [
+        json.loads(line[6:])
+        for line in raw.split(b"\n")
+        if line.startswith(b"data: {") and b'"choices"' in line
+    ]
+
+
+async def test_a_stream_without_notes_continues_from_the_text_sent():
+    """Another engine's chat stream: continued as one stream, the comment where it switched,
+    no second role chunk, the first stream's id, the usage the gateway asked for dropped."""
+    transcript = Transcript(chat=True, strip_usage=True)
+    first = upstream(
+        [chat("", role=True) + chat("Hel"), chat("lo")], httpx.RemoteProtocolError("peer closed")
+    )
+    usage = {"prompt_tokens": 9, "completion_tokens": 2, "total_tokens": 11}
+    seen = []
+
+    async def resume(position: StreamPosition, failed) -> Upstream:
+        seen.append(position.transcript.text)
+        position.mode = "approximate"  # what the proxy's resume decides by the backend it got
+        position.transcript.resumed()
+        return upstream(
+            [
+                chat("", rid="c2", role=True) + chat(" there", rid="c2"),
+                chat("!", rid="c2", finish_reason=None),
+                b'data: {"id": "c2", "choices": [], "usage": ' + json.dumps(usage).encode()
+                + b"}\n\n" + b"data: [DONE]\n\n",
+            ]
+        )  # fmt: skip
+
+    results: list[tuple[bool, str]] = []
+    position = StreamPosition(transcript=transcript)
+    raw = await collect(
+        relay(first, 5.0, resume, on_resume=lambda *r: results.append(r), position=position)
+    )
+    assert seen == ["Hello"] and results == [(True, "approximate")]
+    chunks = contents(raw)
+    assert [c["id"] for c in chunks] == ["c1"] * len(chunks)
+    assert [c["choices"][0]["delta"].get("role") for c in chunks].count("assistant") == 1
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == "Hello there!"
+    before, after = raw.split(RESUMED_COMMENT)
+    assert b'"Hel"' in before and b'"lo"' in before and b'" there"' in after
+    assert [c.get("poise_resumed") for c in contents(after)] == ["approximate"] * 2
+    assert b'"usage"' not in raw and raw.endswith(b"data: [DONE]\n\n")
+    # Its usage counts the two events sent before the break as output.
+    assert transcript.usage == {"prompt_tokens": 7, "completion_tokens": 4, "total_tokens": 11}
+
+
+async def test_a_stream_that_sent_a_tool_call_is_not_sent_again():
+    """The call's arguments cannot be continued by text, and sending the request again would
+    give the client the call twice: an explicit error instead."""
+    call = {"tool_calls": [{"index": 0, "function": {"name": "f", "arguments": "{"}}]}
+    first = upstream([chat(None, role=True) + chat(None, **call)], httpx.ReadError("reset"))
+
+    async def resume(position, failed):  # pragma: no cover - must not be called
+        raise AssertionError("a tool call cannot be continued")
+
+    position = StreamPosition(transcript=Transcript(chat=True, strip_usage=True))
+    raw = await collect(relay(first, 5.0, resume, position=position))
+    assert b"failed mid-stream" in raw and raw.endswith(b"data: [DONE]\n\n")
+
+
+async def test_a_stream_that_broke_before_any_answer_is_asked_again():
+    first = upstream([chat("", role=True)], httpx.ReadError("reset"))
+    calls = []
+
+    async def resume(position, failed):
+        calls.append(position.transcript.sent_any)
+        position.mode = "approximate"
+        position.transcript.resumed()
+        return upstream([chat("", rid="c2", role=True) + chat("hi", rid="c2"), b"data: [DONE]\n\n"])
+
+    position = StreamPosition(transcript=Transcript(chat=True, strip_usage=True))
+    raw = await collect(relay(first, 5.0, resume, position=position))
+    assert calls == [False]
+    chunks = contents(raw)
+    assert [c["choices"][0]["delta"].get("content") for c in chunks] == ["", "hi"]

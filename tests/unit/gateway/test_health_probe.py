@@ -1,0 +1,77 @@
+"""The health round by kind: a one-token generation on other engines, and a late probe on an
+engine whose token counts still grow is busy, not stuck."""
+
+from __future__ import annotations
+
+import httpx
+
+from poise.gateway.config import BackendSettings, HealthSettings
+from poise.gateway.health import check_once
+from poise.gateway.pool import Backend
+from poise.resilience.breaker import BreakerConfig, CircuitBreaker
+
+
+def backend(kind: str = "vllm") -> Backend:
+    settings = BackendSettings.model_validate({"url": "http://b:8000", "kind": kind})
+    return Backend("m", settings, CircuitBreaker(BreakerConfig(), lambda: 0.0), kind=settings.kind)
+
+
+class Engine:
+    """What a vLLM answers: its probe late or in time, its counters as they stand."""
+
+    def __init__(self) -> None:
+        self.late = False
+        self.tokens = 100.0
+        self.asked: list[tuple[str, str]] = []
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        self.asked.append((request.method, request.url.path))
+        if request.url.path == "/v1/completions":
+            if self.late:
+                raise httpx.ReadTimeout("late", request=request)
+            return httpx.Response(200, json={"choices": [{"text": "x"}]})
+        if request.url.path == "/metrics":
+            text = (
+                'vllm:num_requests_running{model_name="m"} 4\n'
+                f'vllm:generation_tokens_total{{model_name="m"}} {self.tokens}\n'
+            )
+            return httpx.Response(200, text=text)
+        return httpx.Response(404)
+
+
+async def test_a_late_probe_while_tokens_flow_is_busy_and_without_them_stuck():
+    engine = Engine()
+    b = backend()
+    cfg = HealthSettings()
+    async with httpx.AsyncClient(transport=httpx.MockTransport(engine)) as client:
+        assert await check_once(client, b, cfg)
+        assert ("POST", "/v1/completions") in engine.asked  # a generation, not /health
+        assert b.load.running == 4.0 and b.load.processed == 100.0
+        engine.late = True
+        engine.tokens = 180.0  # it generated 80 tokens since: busy
+        assert await check_once(client, b, cfg)
+        assert not await check_once(client, b, cfg)  # nothing since: stuck
+
+
+async def test_a_failed_load_read_fails_no_round():
+    def answer(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/metrics":
+            raise httpx.ReadTimeout("slow", request=request)
+        return httpx.Response(200, json={})
+
+    b = backend()
+    async with httpx.AsyncClient(transport=httpx.MockTransport(answer)) as client:
+        assert await check_once(client, b, HealthSettings())
+    assert b.load.at is None  # no report: stale, which routing counts as busy
+
+
+async def test_a_hosted_backend_is_asked_its_models_not_a_generation():
+    asked: list[str] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        asked.append(request.url.path)
+        return httpx.Response(200, json={"data": []})
+
+    async with httpx.AsyncClient(transport=httpx.MockTransport(answer)) as client:
+        assert await check_once(client, backend("openai"), HealthSettings())
+    assert asked == ["/v1/models"]
