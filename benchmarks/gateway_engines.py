@@ -7,11 +7,12 @@ Rounds, each on a fresh gateway:
 
 - hang: SIGSTOP on one server's engine core (its HTTP server still answers /health); seconds
   until the gateway marks it down; SIGCONT, seconds until it is back;
-- busy: one server held busy by 8 streams sent to it directly; the share of 20 requests sent
+- busy: one server held busy by 4 requests sent to it directly; the share of 20 requests sent
   through the gateway that go to the other one;
-- kill: 8 streams (chat and completions, 600 tokens each) under way, kill -9 of the server
-  holding some of them (its whole process group), then started again for the next round; how
-  the streams ended: whole, continued (approximate), error event, or cut silently.
+- kill: 8 streams (chat and completions, 900 tokens each) under way, kill -9 of the server
+  holding more of them (its whole process group), then started again for the next round; how
+  the streams ended: whole, continued (approximate), an error event, refused before they began
+  (an explicit 5xx), or cut silently.
 
 Also the cost of reading another engine's stream (``Transcript.observe``) per event.
 
@@ -47,6 +48,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 from vllmproc import VLLM_PYTHON, VllmProcess, start_vllm  # noqa: E402
 
 RESUMED = ": x-poise-resumed: approximate"
+REFUSALS = Counter[int]()  # answers other than 200 in the busy rounds, by status
 
 
 class Gateway:
@@ -98,20 +100,15 @@ def hang_round(g: Gateway, hung: VllmProcess) -> tuple[float, float]:
 def busy_round(g: Gateway, busy: VllmProcess, idle: VllmProcess) -> float:
     stop = threading.Event()
 
-    def hold() -> None:
-        body = {"model": "m", "prompt": "busy", "max_tokens": 900, "ignore_eos": True}
+    def hold(i: int) -> None:
+        body = {"model": "m", "prompt": "busy", "max_tokens": 400 + 60 * i, "ignore_eos": True}
         while not stop.is_set():
-            with httpx.stream(
-                "POST", busy.url + "/v1/completions", json={**body, "stream": True}, timeout=60
-            ) as r:
-                for _ in r.iter_bytes():
-                    if stop.is_set():
-                        return
+            httpx.post(busy.url + "/v1/completions", json=body, timeout=120).raise_for_status()
 
-    with ThreadPoolExecutor(8) as pool:
-        holders = [pool.submit(hold) for _ in range(8)]
+    with ThreadPoolExecutor(4) as pool:
+        holders = [pool.submit(hold, i) for i in range(4)]
         try:
-            until(lambda: g.backends()[busy.url]["reported_load"]["running"] >= 6, 60)
+            until(lambda: g.backends()[busy.url]["reported_load"]["running"] >= 3, 60)
             before = _attempts(g)
             for _ in range(20):
                 r = httpx.post(
@@ -119,7 +116,7 @@ def busy_round(g: Gateway, busy: VllmProcess, idle: VllmProcess) -> float:
                     json={"model": "m", "prompt": "hello", "max_tokens": 3},
                     timeout=30,
                 )
-                r.raise_for_status()
+                REFUSALS[r.status_code] += r.status_code != 200
             after = _attempts(g)
         finally:
             stop.set()
@@ -146,12 +143,13 @@ def _settled(g: Gateway) -> bool:
     )
 
 
-def kill_round(g: Gateway, victim: VllmProcess) -> Counter[str]:
+def kill_round(g: Gateway, pair: list[VllmProcess]) -> tuple[int, Counter[str]]:
+    """(index of the server killed, how the streams ended)."""
     until(lambda: _settled(g), 60)
     lines: list[list[str]] = [[] for _ in range(8)]
 
     def stream(i: int) -> None:
-        common = {"model": "m", "max_tokens": 600, "temperature": 0, "ignore_eos": True}
+        common = {"model": "m", "max_tokens": 900, "temperature": 0, "ignore_eos": True}
         if i % 2:
             path, body = (
                 "/v1/chat/completions",
@@ -160,31 +158,38 @@ def kill_round(g: Gateway, victim: VllmProcess) -> Counter[str]:
         else:
             path, body = "/v1/completions", {"prompt": f"Once upon a time, number {i}"}
         with httpx.stream(
-            "POST", g.url + path, json={**body, **common, "stream": True}, timeout=120
+            "POST", g.url + path, json={**body, **common, "stream": True}, timeout=180
         ) as r:
+            if r.status_code != 200:
+                lines[i].append(f"refused {r.status_code}")
+                return
             for line in r.iter_lines():
                 if line:
                     lines[i].append(line)
 
     with ThreadPoolExecutor(8) as pool:
         futures = [pool.submit(stream, i) for i in range(8)]
-        until(lambda: all(len(x) >= 5 for x in lines), 60)
-        until(lambda: g.backends()[victim.url]["inflight"] >= 1, 10)
-        victim.kill()
+        until(lambda: any(len(x) >= 5 for x in lines), 60)
+        state = g.backends()
+        victim = max(range(2), key=lambda k: state[pair[k].url]["inflight"])
+        pair[victim].kill()
         for f in futures:
-            f.result(180)
+            f.result(240)
     ends = Counter[str]()
     for seen in lines:
+        if seen and seen[-1].startswith("refused"):
+            ends["refused before it began"] += 1
+            continue
         datas = [json.loads(x[6:]) for x in seen if x.startswith("data: {")]
         if any("error" in d for d in datas):
             ends["error event"] += 1
-        elif seen[-1] != "data: [DONE]":
+        elif not seen or seen[-1] != "data: [DONE]":
             ends["cut silently"] += 1
         elif RESUMED in seen:
             ends["continued"] += 1
         else:
             ends["whole"] += 1
-    return ends
+    return victim, ends
 
 
 def observe_cost_us(n: int = 20000) -> float:
@@ -222,13 +227,14 @@ def main() -> None:
                 results["down_s"].append(down)
                 results["up_s"].append(up)
                 results["idle_share"].append(busy_round(g, a, b))
-                results["kill"].append(dict(kill_round(g, a)))
+                victim, ends = kill_round(g, servers)
+                results["kill"].append(dict(ends))
             finally:
                 g.stop()
             print(f"round {k}: {json.dumps({key: v[-1] for key, v in results.items()})}")
-            a.stop()
-            servers[0] = VllmProcess(model, work, cpus="0")
-            servers[0].wait_ready()
+            servers[victim].stop()
+            servers[victim] = VllmProcess(model, work, cpus=str(victim))
+            servers[victim].wait_ready()
     finally:
         for s in servers:
             s.stop()
@@ -242,6 +248,7 @@ def main() -> None:
         "back_up_after_sigcont_s": statistics.median(results["up_s"]),
         "share_to_idle_backend": {"median": statistics.median(results["idle_share"]),
                                   "min": min(results["idle_share"])},
+        "busy_round_refusals": dict(REFUSALS),
         "streams_at_kill": dict(kills),
         "transcript_observe_us_per_event": round(observe_cost_us(), 2),
     }  # fmt: skip

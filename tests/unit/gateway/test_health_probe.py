@@ -75,3 +75,20 @@ async def test_a_hosted_backend_is_asked_its_models_not_a_generation():
     async with httpx.AsyncClient(transport=httpx.MockTransport(answer)) as client:
         assert await check_once(client, backend("openai"), HealthSettings())
     assert asked == ["/v1/models"]
+
+
+async def test_on_the_first_round_running_requests_are_the_benefit_of_the_doubt():
+    """Nothing to compare the counts with yet: a late probe on an engine that says it is
+    running requests is busy for that round; one running nothing is down at once."""
+    engine = Engine()
+    engine.late = True
+    async with httpx.AsyncClient(transport=httpx.MockTransport(engine)) as client:
+        assert await check_once(client, backend(), HealthSettings())
+
+    def idle(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/metrics":
+            return httpx.Response(200, text='vllm:generation_tokens_total{model_name="m"} 5\n')
+        raise httpx.ReadTimeout("late", request=request)
+
+    async with httpx.AsyncClient(transport=httpx.MockTransport(idle)) as client:
+        assert not await check_once(client, backend(), HealthSettings())
