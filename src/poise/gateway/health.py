@@ -44,6 +44,9 @@ from poise.resilience.latency import LatencyTracker
 log = logging.getLogger("poise.gateway.health")
 
 PROBE_PROMPT = "Hello"
+# More tokens than a round's probes process themselves (a short prompt and one token, and the
+# last round's, counted late): a count that grew by fewer is no evidence of other work.
+PROBE_TOKENS = 16
 
 
 async def check_once(
@@ -158,13 +161,14 @@ def load_timeout_s(cfg: HealthSettings) -> float:
 
 
 def _busy(before: float | None, report: LoadReport) -> bool:
-    """Its token counts went up since the last round; on the first round (nothing to compare
-    with), it says it is running requests: the benefit of the doubt for one round."""
+    """Its token counts went up since the last round by more than the probes' own tokens; on
+    the first round (nothing to compare with), it says it is running requests: the benefit of
+    the doubt for one round."""
     if report.processed is None:
         return False
     if before is None:
         return report.running > 0
-    return report.processed > before
+    return report.processed - before > PROBE_TOKENS
 
 
 def _says_draining(response: httpx.Response) -> bool:
