@@ -15,8 +15,8 @@ answer in ``timeout_s`` while the backend's counts of tokens went up since the l
 backend is busy, not stuck, and the round passes; a stuck engine processes nothing. (On the
 first round, with nothing to compare, one that reports running requests gets the benefit of the
 doubt for that round.) A failed read of the load fails no round: the load goes stale, which
-routing counts as busy. The load read may take twice ``timeout_s``: a busy engine's HTTP server
-is slow to export too.
+routing counts as busy. Both take at most ``timeout_s``, side by side, so that a round that
+fails ends as soon as its probe does.
 
 A backend is marked down after ``unhealthy_after`` failed rounds and up after ``healthy_after``
 good ones. A probe that does not answer within ``timeout_s`` is a failed round: a port that
@@ -138,9 +138,7 @@ async def _load(
     kind = traits(backend.kind)
     if not (kind.waiting or kind.running):
         return None  # nothing to read: its load is the gateway's own count
-    # A busy engine's HTTP server is slow to export too: the load read may take longer than
-    # the probe (the pool judges a report stale only after that and three rounds).
-    timeout = load_timeout_s(cfg)
+    timeout = cfg.timeout_s
     m = await client.get(backend.url + "/metrics", headers=headers, timeout=timeout)
     if m.status_code == 200:
         report = parse_metrics(m.text, kind, m.headers.get("content-type", ""))
@@ -154,10 +152,6 @@ async def _load(
             except ValueError:
                 return None
     return None
-
-
-def load_timeout_s(cfg: HealthSettings) -> float:
-    return 2 * cfg.timeout_s
 
 
 def _busy(before: float | None, report: LoadReport) -> bool:

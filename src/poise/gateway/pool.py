@@ -102,8 +102,7 @@ class Pool:
         self.model = model
         self.clock = clock
         self.rng = rng or random.Random()
-        # Three rounds, and the longest a load read may take (``health.load_timeout_s``).
-        self.stale_after_s = 3 * settings.health.interval_s + 2 * settings.health.timeout_s
+        self.stale_after_s = 3 * settings.health.interval_s + settings.health.timeout_s
         self._breaker_config = BreakerConfig(**settings.breaker.model_dump())
         self._on_breaker_change = on_breaker_change
         self._remote_out: dict[str, float] = {}  # url -> clock time: another gateway's verdict
