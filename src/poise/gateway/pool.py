@@ -8,14 +8,15 @@ more likely wrong (probes timing out while a restarted neighbour loads on the sa
 all the backends dead, and a request sent to a dead one fails over in milliseconds, where
 "no healthy backend" fails it for sure. So the last live backend never leaves rotation.
 
-Among those, power of two choices on load: the requests it runs (the gateway's own in flight,
-or the backend's own count when that is more) plus the waiting requests it reports (its
-``/metrics``, under its kind's names: ``health``), scaled by weight and by its
-latency cost (peak EWMA of time to first token and per output token against the pool's median,
-work outstanding included: see ``poise.resilience.latency``), so that a backend gone slow or
-silent loses the choice at once; a backend whose report is stale counts as busy, since silence
-is not evidence of idleness. One whose time per token stays several times the others' is taken
-out (``poise.resilience.slow_ejection``) until its probes say it is fast again.
+Among those, power of two choices on load: the gateway's own requests in flight (on another
+engine than poise, its own count of running requests when that is more) plus the waiting
+requests it reports (its ``/metrics``, under its kind's names: ``health``), scaled by weight
+and by its latency cost (peak EWMA of time to first token and per output token against the
+pool's median, work outstanding included: see ``poise.resilience.latency``), so that a
+backend gone slow or silent loses the choice at once; a backend whose report is stale counts
+as busy, since silence is not evidence of idleness. One whose time per token stays several
+times the others' is taken out (``poise.resilience.slow_ejection``) until its probes say it is
+fast again.
 
 Prefix affinity: a request carries the hash chain of its prompt's leading blocks
 (``poise.gateway.prefix``); the pool prefers the backends that have seen the longest run of
@@ -241,10 +242,12 @@ class Pool:
         running = float(b.inflight)
         if load.at is not None and self.clock() - load.at > self.stale_after_s:
             reported += STALE_LOAD_PENALTY
-        else:
-            # What it runs counts as the gateway's own requests there or the backend's own
-            # count, whichever is more: other clients (another gateway, direct callers) load
-            # it too, and its count lags the gateway's by up to a round of health checks.
+        elif b.kind != "poise":
+            # Another engine's batch takes nearly all it is sent, so little ever waits there:
+            # what it runs counts, as the gateway's own requests there or its own count,
+            # whichever is more (other clients load it too; its count lags by up to a round).
+            # A poise replica queues what it cannot run now, so its waiting count says it,
+            # and its running one counts the gateway's probes.
             running = max(running, load.running)
         return self.latency.cost(b.url) * (running + reported + 1) / b.settings.weight
 

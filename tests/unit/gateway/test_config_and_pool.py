@@ -250,3 +250,7 @@ def test_what_a_backend_reports_running_counts_as_its_load():
     # The gateway's own count, when it is more (the report lags by a round).
     a.load.running, b.inflight = 0.0, 5
     assert {pool.pick() for _ in range(20)} == {a}
+    # A poise replica says its load by what waits; what it runs includes the gateway's probes.
+    a.kind = b.kind = "poise"
+    a.load.running, b.inflight = 8.0, 0
+    assert {pool.pick() for _ in range(40)} == {a, b}
