@@ -99,14 +99,8 @@ def hang_round(g: Gateway, hung: VllmProcess) -> tuple[float, float]:
 
 def busy_round(g: Gateway, busy: VllmProcess, idle: VllmProcess) -> float:
     stop = threading.Event()
-
-    def hold(i: int) -> None:
-        body = {"model": "m", "prompt": "busy", "max_tokens": 400 + 60 * i, "ignore_eos": True}
-        while not stop.is_set():
-            httpx.post(busy.url + "/v1/completions", json=body, timeout=120).raise_for_status()
-
     with ThreadPoolExecutor(4) as pool:
-        holders = [pool.submit(hold, i) for i in range(4)]
+        holders = [pool.submit(busy.keep_busy, stop, i) for i in range(4)]
         try:
             until(lambda: g.backends()[busy.url]["reported_load"]["running"] >= 3, 60)
             before = _attempts(g)

@@ -7,6 +7,7 @@ import contextlib
 import os
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -71,6 +72,13 @@ class VllmProcess:
                 if Path(f"/proc/{child}/cmdline").read_bytes().startswith(b"VLLM::EngineCore"):
                     return child
         raise RuntimeError("vLLM has no engine core process")
+
+    def keep_busy(self, stop: threading.Event, i: int) -> None:
+        """Whole answers one after another until ``stop``, of a length set by ``i`` (holders
+        given different ones do not end together); each stops at its end."""
+        body = {"model": "m", "prompt": "busy", "max_tokens": 400 + 60 * i, "ignore_eos": True}
+        while not stop.is_set():
+            httpx.post(self.url + "/v1/completions", json=body, timeout=120).raise_for_status()
 
     def metric(self, name: str) -> float:
         text = httpx.get(self.url + "/metrics", timeout=5).text

@@ -115,16 +115,8 @@ def test_load_from_vllm_metrics_moves_routing(gateway, engines):
     g = gateway(a, b)
     _wait(lambda: all(s["healthy"] and s["checked"] for s in _state(g).values()), 15, "up")
     stop = threading.Event()
-
-    def hold_busy(i: int) -> None:
-        # Whole answers (its HTTP server has little to stream), of different lengths, so that
-        # they do not end together; each stops at its end once the test is over.
-        body = {"model": "m", "prompt": "busy", "max_tokens": 400 + 60 * i, "ignore_eos": True}
-        while not stop.is_set():
-            httpx.post(a.url + "/v1/completions", json=body, timeout=120).raise_for_status()
-
     with ThreadPoolExecutor(4) as pool:
-        busy = [pool.submit(hold_busy, i) for i in range(4)]
+        busy = [pool.submit(a.keep_busy, stop, i) for i in range(4)]
         try:
             _wait(lambda: _state(g)[a.url]["reported_load"]["running"] >= 3, 60, "A busy")
             before = {s.url: _served(g, s.url) for s in (a, b)}
