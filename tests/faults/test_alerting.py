@@ -20,7 +20,7 @@ import httpx
 import pytest
 import yaml
 
-from gatewayproc import GatewayProcess
+from gatewayproc import GatewayProcess, gateway_metric
 from poise.launcher import free_port, stop_process, wait_ready
 from serverproc import start_servers
 
@@ -76,14 +76,15 @@ class PrometheusServer:
         self._log.close()
 
 
-def wait_for(check, timeout: float, what: str):
+def wait_for(check, timeout: float, what: str, state=None):
+    """``state``: what to show when it does not come (what was firing, say)."""
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         got = check()
         if got:
             return got
         time.sleep(0.5)
-    pytest.fail(f"not within {timeout} s: {what}")
+    pytest.fail(f"not within {timeout} s: {what}" + (f"; got {state()}" if state else ""))
 
 
 def test_killing_a_replica_fires_replica_down_and_breaker_open(llama_dir, tmp_path):
@@ -118,17 +119,26 @@ def test_killing_a_replica_fires_replica_down_and_breaker_open(llama_dir, tmp_pa
 
         os.kill(victim.proc.pid, signal.SIGKILL)
         body = {"model": "m", "prompt": "still there?", "max_tokens": 2}
-        statuses = [
-            httpx.post(gateway.url + "/v1/completions", json=body, timeout=30).status_code
-            for _ in range(12)
-        ]
-        assert statuses == [200] * 12, "retried on the survivor, none lost"
+        # Traffic until the gateway's breaker for the victim opens: which backend each request
+        # tries first is the router's (random between equals), so a fixed count could leave
+        # the victim fewer than the breaker's two calls.
+        statuses = []
+        while len(statuses) < 40:
+            r = httpx.post(gateway.url + "/v1/completions", json=body, timeout=30)
+            statuses.append(r.status_code)
+            if gateway_metric(gateway.url, "poise_gateway_breaker_state", backend=victim.url):
+                break
+        assert statuses == [200] * len(statuses), "retried on the survivor, none lost"
+        open_state = gateway_metric(gateway.url, "poise_gateway_breaker_state", backend=victim.url)
+        assert open_state == 2, f"the victim's breaker did not open in {len(statuses)} requests"
 
         def both_firing() -> dict[str, dict]:
             got = {a["labels"]["alertname"]: a for a in prometheus.firing()}
             return got if {"PoiseReplicaDown", "PoiseBreakerOpen"} <= set(got) else {}
 
-        firing = wait_for(both_firing, 45, "replica-down and breaker-open alerts firing")
+        firing = wait_for(
+            both_firing, 45, "replica-down and breaker-open alerts firing", prometheus.firing
+        )
         assert firing["PoiseReplicaDown"]["labels"]["instance"] == hostport(victim.url)
         assert firing["PoiseBreakerOpen"]["labels"]["backend"] == victim.url
         assert "runbook" in firing["PoiseBreakerOpen"]["annotations"]
