@@ -51,6 +51,11 @@ class VllmProcess:
         self.proc = subprocess.Popen(
             argv, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True
         )
+        # Where the kernel groups each session's processes for scheduling (autogroup), a
+        # process's nice value only ranks it within its session: the session's own must be
+        # set too, or a new session's busy threads weigh as much as all of the tests'.
+        with contextlib.suppress(OSError):
+            Path(f"/proc/{self.proc.pid}/autogroup").write_text("10")
 
     def wait_ready(self, timeout: float = 420.0) -> None:
         deadline = time.monotonic() + timeout

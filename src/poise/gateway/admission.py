@@ -4,10 +4,15 @@ A pool is saturated when the requests the gateway has let through to it reach it
 ``max_inflight_per_backend`` (times weight) for each eligible backend whose own report (waiting
 requests, KV usage) says it has room. A backend whose report is stale adds nothing, so silence
 counts as saturation; one that never reported (no Prometheus metrics) is bounded by the in-flight
-limit alone. Waiting requests are ordered by priority, then arrival (``PriorityLine``): when
-room appears, the best goes first; when the line is full, the lowest priority is shed with 429
-and ``Retry-After``; when nobody can be shed, the newcomer gets 503. A request that waits past
-the queue's TTL or its own deadline is refused too, so nobody waits unseen and forever.
+limit alone. When every eligible backend's report is stale, though, the silence says more about
+the reports' path (a metrics endpoint slow under load, a gateway starved of CPU) than about the
+backends, which still pass their health checks: they are then bounded by the in-flight limit
+alone, as panic routing keeps them all (a hung one fails its probes and leaves).
+
+Waiting requests are ordered by priority, then arrival (``PriorityLine``): when room appears,
+the best goes first; when the line is full, the lowest priority is shed with 429 and
+``Retry-After``; when nobody can be shed, the newcomer gets 503. A request that waits past the
+queue's TTL or its own deadline is refused too, so nobody waits unseen and forever.
 """
 
 from __future__ import annotations
@@ -44,14 +49,21 @@ class PoolGate:
 
     def capacity(self) -> float:
         s, now = self.settings, self.clock()
+        eligible = self.pool.eligible()
+        stale = {
+            b
+            for b in eligible
+            if b.load.at is not None and now - b.load.at > self.pool.stale_after_s
+        }
+        all_stale = len(stale) == len(eligible)
         total = 0.0
-        for b in self.pool.eligible():
+        for b in eligible:
             load = b.load
-            if load.at is not None:
-                if now - load.at > self.pool.stale_after_s:
-                    continue
-                if load.waiting >= s.max_backend_waiting or load.kv_usage >= s.max_kv_usage:
-                    continue
+            full = load.waiting >= s.max_backend_waiting or load.kv_usage >= s.max_kv_usage
+            if b in stale and not all_stale:
+                continue
+            if b not in stale and load.at is not None and full:
+                continue
             total += s.max_inflight_per_backend * b.settings.weight
         return total
 

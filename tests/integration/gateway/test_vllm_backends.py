@@ -89,6 +89,18 @@ def _wait(predicate: Any, timeout: float, what: str) -> float:
     return time.monotonic() - t0
 
 
+def _brief(backend: dict[str, Any]) -> str:
+    """A backend's state in /debug/state, on one line: what routing weighs."""
+    load = backend["reported_load"]
+    flags = [k for k in ("ejected", "slow") if backend[k]]
+    flags += [] if backend["healthy"] else ["down"]
+    flags += [] if backend["breaker"] == "closed" else [f"breaker {backend['breaker']}"]
+    return (
+        f"{' '.join(flags)} cost {backend['latency_cost']} inflight {backend['inflight']} "
+        f"running {load['running']} waiting {load['waiting']} age {load['age_s']}"
+    )
+
+
 def _served(g: GatewayProcess, url: str) -> float:
     return gateway_metric(g.url, "poise_gateway_upstream_attempts_total", backend=url)
 
@@ -120,11 +132,12 @@ def test_load_from_vllm_metrics_moves_routing(gateway, engines):
         try:
             _wait(lambda: _state(g)[a.url]["reported_load"]["running"] >= 3, 60, "A busy")
             before = {s.url: _served(g, s.url) for s in (a, b)}
-            seen = []
+            seen = []  # what the gateway knew of each before each request: for a failure
             for _ in range(20):
-                seen.append(_state(g)[a.url]["reported_load"])
+                seen.append({n: _brief(_state(g)[s.url]) for n, s in (("A", a), ("B", b))})
                 body = {"model": "m", "prompt": "hello", "max_tokens": 3}
-                assert httpx.post(g.url + "/v1/completions", json=body, timeout=30).is_success
+                r = httpx.post(g.url + "/v1/completions", json=body, timeout=30)
+                assert r.is_success, (r.text, seen)
             moved = {s.url: _served(g, s.url) - before[s.url] for s in (a, b)}
         finally:
             stop.set()
