@@ -110,7 +110,8 @@ def busy_round(g: Gateway, busy: VllmProcess, idle: VllmProcess) -> float:
                     json={"model": "m", "prompt": "hello", "max_tokens": 3},
                     timeout=30,
                 )
-                REFUSALS[r.status_code] += r.status_code != 200
+                if r.status_code != 200:
+                    REFUSALS[r.status_code] += 1
             after = _attempts(g)
         finally:
             stop.set()
