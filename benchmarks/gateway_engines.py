@@ -26,7 +26,6 @@ import json
 import os
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -37,42 +36,22 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import yaml
 
 from poise.gateway.continuation import Transcript
-from poise.launcher import free_port, stop_process, wait_ready
 from poise.modelgen.make_model import make_model
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
+from gatewayproc import GatewayProcess  # noqa: E402
 from vllmproc import VLLM_PYTHON, VllmProcess, start_vllm  # noqa: E402
 
 RESUMED = ": x-poise-resumed: approximate"
 REFUSALS = Counter[int]()  # answers other than 200 in the busy rounds, by status
 
 
-class Gateway:
-    def __init__(self, urls: list[str], work: Path) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        cfg = {"port": self.port, "models": {"m": {"backends": [{"url": u} for u in urls]}}}
-        path = work / f"gateway-{self.port}.yaml"
-        path.write_text(yaml.safe_dump(cfg))
-        self.log = (work / f"gateway-{self.port}.log").open("wb")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "poise.cli", "gateway", "--config", str(path)],
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-        )
-        wait_ready(self.url + "/ready", self.proc, lambda: "", "gateway", 60)
-
-    def backends(self) -> dict[str, dict[str, Any]]:
-        state = httpx.get(self.url + "/debug/state", timeout=5).json()
-        return {b["url"]: b for b in state["models"]["m"]["backends"]}
-
-    def stop(self) -> None:
-        stop_process(self.proc, 20)
-        self.log.close()
+def backends_of(g: GatewayProcess) -> dict[str, dict[str, Any]]:
+    state = httpx.get(g.url + "/debug/state", timeout=5).json()
+    return {b["url"]: b for b in state["models"]["m"]["backends"]}
 
 
 def until(predicate: Any, timeout: float) -> float:
@@ -84,25 +63,25 @@ def until(predicate: Any, timeout: float) -> float:
     return time.monotonic() - t0
 
 
-def hang_round(g: Gateway, hung: VllmProcess) -> tuple[float, float]:
-    until(lambda: all(b["healthy"] and b["checked"] for b in g.backends().values()), 30)
+def hang_round(g: GatewayProcess, hung: VllmProcess) -> tuple[float, float]:
+    until(lambda: all(b["healthy"] and b["checked"] for b in backends_of(g).values()), 30)
     core = hung.engine_core_pid()
     os.kill(core, signal.SIGSTOP)
     try:
-        down = until(lambda: not g.backends()[hung.url]["healthy"], 30)
+        down = until(lambda: not backends_of(g)[hung.url]["healthy"], 30)
         assert httpx.get(hung.url + "/health", timeout=5).status_code == 200
     finally:
         os.kill(core, signal.SIGCONT)
-    up = until(lambda: g.backends()[hung.url]["healthy"], 30)
+    up = until(lambda: backends_of(g)[hung.url]["healthy"], 30)
     return down, up
 
 
-def busy_round(g: Gateway, busy: VllmProcess, idle: VllmProcess) -> float:
+def busy_round(g: GatewayProcess, busy: VllmProcess, idle: VllmProcess) -> float:
     stop = threading.Event()
     with ThreadPoolExecutor(4) as pool:
         holders = [pool.submit(busy.keep_busy, stop, i) for i in range(4)]
         try:
-            until(lambda: g.backends()[busy.url]["reported_load"]["running"] >= 3, 60)
+            until(lambda: backends_of(g)[busy.url]["reported_load"]["running"] >= 3, 60)
             before = _attempts(g)
             for _ in range(20):
                 r = httpx.post(
@@ -121,7 +100,7 @@ def busy_round(g: Gateway, busy: VllmProcess, idle: VllmProcess) -> float:
     return moved.get(idle.url, 0.0) / max(1.0, sum(moved.values()))
 
 
-def _attempts(g: Gateway) -> dict[str, float]:
+def _attempts(g: GatewayProcess) -> dict[str, float]:
     out: dict[str, float] = {}
     for line in httpx.get(g.url + "/metrics", timeout=5).text.splitlines():
         if line.startswith("poise_gateway_upstream_attempts_total{") and 'outcome="ok"' in line:
@@ -130,15 +109,15 @@ def _attempts(g: Gateway) -> dict[str, float]:
     return out
 
 
-def _settled(g: Gateway) -> bool:
+def _settled(g: GatewayProcess) -> bool:
     """Every backend up and idle by its own report (the busy round's streams are gone)."""
     return all(
         b["healthy"] and b["checked"] and b["reported_load"]["running"] == 0
-        for b in g.backends().values()
+        for b in backends_of(g).values()
     )
 
 
-def kill_round(g: Gateway, pair: list[VllmProcess]) -> tuple[int, Counter[str]]:
+def kill_round(g: GatewayProcess, pair: list[VllmProcess]) -> tuple[int, Counter[str]]:
     """(index of the server killed, how the streams ended)."""
     until(lambda: _settled(g), 60)
     lines: list[list[str]] = [[] for _ in range(8)]
@@ -165,7 +144,7 @@ def kill_round(g: Gateway, pair: list[VllmProcess]) -> tuple[int, Counter[str]]:
     with ThreadPoolExecutor(8) as pool:
         futures = [pool.submit(stream, i) for i in range(8)]
         until(lambda: any(len(x) >= 5 for x in lines), 60)
-        state = g.backends()
+        state = backends_of(g)
         victim = max(range(2), key=lambda k: state[pair[k].url]["inflight"])
         pair[victim].kill()
         for f in futures:
@@ -216,7 +195,9 @@ def main() -> None:
     try:
         for k in range(args.rounds):
             a, b = servers
-            g = Gateway([a.url, b.url], work)
+            g = GatewayProcess(
+                {"models": {"m": {"backends": [{"url": a.url}, {"url": b.url}]}}}, work
+            )
             try:
                 down, up = hang_round(g, a)
                 results["down_s"].append(down)

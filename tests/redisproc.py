@@ -1,10 +1,8 @@
-"""A real ``redis-server`` on loopback for a test: installed if root may, stopped by pid."""
+"""A real ``redis-server`` on loopback for a test, stopped by pid (``make deps`` installs it)."""
 
 from __future__ import annotations
 
-import os
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -14,16 +12,8 @@ from poise.chaos.redis_server import RedisServer as _RedisServer
 
 def redis_server_binary() -> str:
     exe = shutil.which("redis-server")
-    if exe is None and hasattr(os, "geteuid") and os.geteuid() == 0:
-        subprocess.run(
-            ["apt-get", "install", "-y", "-q", "redis-server"],
-            check=False,
-            capture_output=True,
-            timeout=600,
-        )
-        exe = shutil.which("redis-server")
     if exe is None:
-        pytest.fail("these tests need redis-server (apt-get install redis-server)")
+        pytest.fail("these tests need redis-server: `make deps` (or apt-get install redis-server)")
     return exe
 
 

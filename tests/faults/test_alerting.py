@@ -31,7 +31,7 @@ class PrometheusServer:
     def __init__(self, work: Path, jobs: dict[str, list[str]]) -> None:
         exe = shutil.which("prometheus")
         if exe is None:
-            pytest.fail("this test needs prometheus (apt-get install prometheus, as .ci/run does)")
+            pytest.fail("this test needs prometheus: `make deps` (or apt-get install prometheus)")
         rules = work / "alerts.yml"
         rules.write_text(re.sub(r"for: \d+[smh]", "for: 2s", RULES.read_text()))
         config = {

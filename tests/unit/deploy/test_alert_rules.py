@@ -141,7 +141,7 @@ def alerts() -> dict[str, dict[str, Any]]:
 def promtool(*args: str) -> subprocess.CompletedProcess[str]:
     tool = shutil.which("promtool")
     if tool is None:
-        pytest.fail("promtool is missing: apt-get install prometheus (as .ci/run does)")
+        pytest.fail("promtool is missing: `make deps` (or apt-get install prometheus)")
     return subprocess.run([tool, *args], check=False, capture_output=True, text=True, timeout=120)
 
 
