@@ -34,7 +34,11 @@ class GatewayProcess:
             stderr=subprocess.STDOUT,
             env=env,
         )
-        wait_ready(self.url + "/ready", self.proc, self.log, "gateway", 60)
+        try:
+            wait_ready(self.url + "/ready", self.proc, self.log, "gateway", 60)
+        except BaseException:
+            self.stop()
+            raise
 
     def log(self) -> str:
         self._log.flush()

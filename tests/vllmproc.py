@@ -51,11 +51,7 @@ class VllmProcess:
         self.proc = subprocess.Popen(
             argv, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True
         )
-        # Where the kernel groups each session's processes for scheduling (autogroup), a
-        # process's nice value only ranks it within its session: the session's own must be
-        # set too, or a new session's busy threads weigh as much as all of the tests'.
-        with contextlib.suppress(OSError):
-            Path(f"/proc/{self.proc.pid}/autogroup").write_text("10")
+        _nice_session(self.proc.pid)
 
     def wait_ready(self, timeout: float = 420.0) -> None:
         deadline = time.monotonic() + timeout
@@ -115,6 +111,23 @@ class VllmProcess:
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(10)
         self._log.close()
+
+
+def _nice_session(pid: int) -> None:
+    """Where the kernel groups each session's processes for scheduling (autogroup), a process's
+    nice value only ranks it within its session: the session's own must be set too, or a new
+    session's busy threads weigh as much as all of the tests'. The kernel takes one such write
+    in 100 ms from a process without CAP_SYS_ADMIN (EAGAIN otherwise); none at all where
+    autogroup is off or absent."""
+    path = Path(f"/proc/{pid}/autogroup")
+    for _ in range(30):
+        try:
+            path.write_text("10")
+            return
+        except BlockingIOError:
+            time.sleep(0.11)
+        except OSError:
+            return
 
 
 def _children(pid: int) -> list[int]:

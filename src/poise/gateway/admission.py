@@ -2,12 +2,12 @@
 
 A pool is saturated when the requests the gateway has let through to it reach its capacity:
 ``max_inflight_per_backend`` (times weight) for each eligible backend whose own report (waiting
-requests, KV usage) says it has room. A backend whose report is stale adds nothing, so silence
-counts as saturation; one that never reported (no Prometheus metrics) is bounded by the in-flight
-limit alone. When every eligible backend's report is stale, though, the silence says more about
-the reports' path (a metrics endpoint slow under load, a gateway starved of CPU) than about the
-backends, which still pass their health checks: they are then bounded by the in-flight limit
-alone, as panic routing keeps them all (a hung one fails its probes and leaves).
+requests, KV usage) says it has room; one that never reported (no Prometheus metrics) is bounded
+by the in-flight limit alone. A stale report counts as its last word only while the backend's
+health checks still pass (as recently as a report must be fresh): its metrics are what is slow
+(vLLM's ``/metrics`` under load, a gateway short of CPU), not the backend, so a stale report
+that said there was room does not shed a pool whose probes pass. Otherwise silence counts as
+saturation: a hung process stops answering its probes and its reports in the same round.
 
 Waiting requests are ordered by priority, then arrival (``PriorityLine``): when room appears,
 the best goes first; when the line is full, the lowest priority is shed with 429 and
@@ -49,21 +49,15 @@ class PoolGate:
 
     def capacity(self) -> float:
         s, now = self.settings, self.clock()
-        eligible = self.pool.eligible()
-        stale = {
-            b
-            for b in eligible
-            if b.load.at is not None and now - b.load.at > self.pool.stale_after_s
-        }
-        all_stale = len(stale) == len(eligible)
+        fresh_s = self.pool.stale_after_s
         total = 0.0
-        for b in eligible:
+        for b in self.pool.eligible():
             load = b.load
-            full = load.waiting >= s.max_backend_waiting or load.kv_usage >= s.max_kv_usage
-            if b in stale and not all_stale:
-                continue
-            if b not in stale and load.at is not None and full:
-                continue
+            if load.at is not None:
+                if now - load.at > fresh_s and (b.passed_at is None or now - b.passed_at > fresh_s):
+                    continue
+                if load.waiting >= s.max_backend_waiting or load.kv_usage >= s.max_kv_usage:
+                    continue
             total += s.max_inflight_per_backend * b.settings.weight
         return total
 

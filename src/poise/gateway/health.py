@@ -205,6 +205,8 @@ async def watch(
 ) -> None:
     while True:
         ok = await check_once(client, backend, cfg, clock, latency)
+        if ok:
+            backend.passed_at = clock()
         on_probe(backend, ok)
         changed = apply(backend, ok, cfg)
         if changed is not None:

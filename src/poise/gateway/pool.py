@@ -66,6 +66,7 @@ class Backend:
     healthy: bool = True
     health_streak: int = 0  # consecutive probe results in the direction of a change
     checked: bool = False  # an active check has given a verdict (the first one counts at once)
+    passed_at: float | None = None  # when an active check last passed; None: never
     load: ReportedLoad = field(default_factory=ReportedLoad)
     source: str | None = None  # the DNS name it was discovered from; None: listed
     kind: Kind | None = None  # its engine, as configured or detected; None: not known yet

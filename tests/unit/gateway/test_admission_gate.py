@@ -33,25 +33,23 @@ def gate(clock: Clock, n: int = 1, **admission) -> PoolGate:
     return g
 
 
-async def test_capacity_counts_fresh_reports_only():
+async def test_capacity_counts_reports_while_fresh_or_while_probes_pass():
     clock = Clock()
     g = gate(clock, n=2, max_inflight_per_backend=4, max_backend_waiting=10)
     assert g.capacity() == 8  # never reported: bounded by in-flight alone
     a, b = g.pool.backends
-    a.load.at = b.load.at = clock.now
+    a.load.at = b.load.at = a.passed_at = b.passed_at = clock.now
     a.load.waiting = 12  # says it is full
     assert g.capacity() == 4
-    clock.now += 60
-    b.load.at = clock.now  # A's report goes stale: its silence counts as saturation
-    b.load.waiting = 0
+    clock.now += 60  # silent since, reports and probes alike (hung): saturated
+    assert g.capacity() == 0
+    # B's probes pass again but its metrics stay unread (an endpoint slow under load): its
+    # last report, which had room, still counts. A's said it was full, and still does.
+    a.passed_at = b.passed_at = clock.now
     assert g.capacity() == 4
-    clock.now += 60
-    # Both stale while both still pass their checks: the reports' path is what failed (a
-    # metrics endpoint slow under load); the in-flight limit alone bounds them, as before any
-    # report, rather than a refusal of every request.
-    assert g.capacity() == 8
-    b.healthy = False
-    assert g.capacity() == 4
+    clock.now += 60  # every backend down: panic routing keeps them, admission does not
+    a.healthy = b.healthy = False
+    assert g.pool.in_panic and g.capacity() == 0
 
 
 async def test_waiting_requests_go_best_priority_first():
