@@ -3,9 +3,10 @@
 llguidance validates a grammar's text cheaply, but some grammars only show their cost, or kill
 the process, when a matcher is built against the model's tokenizer and asked for its first mask:
 a JSON schema of a thousand ``$ref`` links overflows the compiler's stack (SIGSEGV, the whole
-server gone), and a regex of nested counted repetitions takes seconds for its first mask. So
-the front end hands each grammar it has not seen to a child process that builds a matcher and
-computes one mask; a crash there, or no answer within ``time_limit_s``, is the request's 400,
+server gone), and a regex of nested counted repetitions takes seconds for its first mask, or
+fails at its first character. So the front end hands each grammar it has not seen to a child
+process that builds a matcher and computes a mask, then consumes one allowed token and computes
+the next; a crash there, or no answer within ``time_limit_s``, is the request's 400,
 and the child is started again for the next one. Verdicts are cached by grammar text.
 
 The child builds its matcher in a thread, as the engine core does, so a grammar deep enough to
@@ -35,7 +36,13 @@ def _child(conn: Connection, tokenizer_json: str, vocab_size: int, eos: list[int
             return short_error(messages[0] if messages else "the grammar does not compile")
         matcher = LLMatcher(tokenizer, grammar, log_level=0)
         if not matcher.is_error():
-            matcher.compute_bitmask()
+            bits = int.from_bytes(matcher.compute_bitmask(), "little")
+            # And one token further: some grammars only fail once the lexer starts on input
+            # (a nested counted regex overflows its expression limit at its first character).
+            if bits and not matcher.is_error():
+                first = (bits & -bits).bit_length() - 1
+                if matcher.consume_token(first) and not matcher.is_stopped():
+                    matcher.compute_bitmask()
         return short_error(matcher.get_error()) if matcher.is_error() else None
 
     while True:

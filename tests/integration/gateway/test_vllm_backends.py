@@ -254,8 +254,16 @@ def _kill_check(g: GatewayProcess, pair: tuple[Any, Any], must_continue: bool = 
             pool.submit(_stream, g.url, path, body, seen)
             for (path, body), seen in zip(streams, lines, strict=True)
         ]
-        # At the first sign of streaming, the backend holding more of the streams dies.
-        _wait(lambda: any(len(seen) >= 5 for seen in lines), 60, "a stream under way")
+        # Once every stream is under way (or was refused), the backend holding more of them
+        # dies: each of its streams has sent text, so each must be continued. (Killed at the
+        # first sign of streaming, the victim's streams had not always begun.)
+        _wait(
+            lambda: all(
+                len(seen) >= 5 or (seen and seen[-1].startswith("refused")) for seen in lines
+            ),
+            60,
+            "every stream under way",
+        )
         state = _state(g)
         killed, survivor = sorted(pair, key=lambda s: -state[s.url]["inflight"])
         on_killed = state[killed.url]["inflight"]
