@@ -125,6 +125,12 @@ def _add_serve_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--max-model-len", type=int)
     p.add_argument(
+        "--deterministic",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="every answer the same bit for bit whatever else is in the batch",
+    )
+    p.add_argument(
         "--generation-config",
         choices=["auto", "none"],
         help="auto: the model's generation_config.json sampling settings are request defaults",

@@ -47,6 +47,9 @@ class ServerSettings(BaseModel):
     max_model_len: int | None = Field(default=None, ge=1)
     enable_prefix_caching: bool = True
     native_kernels: bool = True
+    # Every answer the same bit for bit whatever else is in the batch (batch-invariant linear
+    # layers and attention; engine/models/batch_invariance.py).
+    deterministic: bool = False
     # int8: weight-only int8 linear layers, one scale per output channel (vLLM's flag).
     quantization: Literal["int8"] | None = None
     seed: int = 0

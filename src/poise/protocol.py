@@ -367,6 +367,8 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=now_s)
     owned_by: str = "poise"
     max_model_len: int | None = None
+    # Its answers are the same bit for bit whatever else is in the batch (poise's own field).
+    deterministic: bool = False
 
 
 class ModelList(BaseModel):

@@ -26,6 +26,9 @@ class EngineConfig:
     seed: int = 0  # for requests without a seed of their own
     # On the CPU: the C decode-attention kernel, and oneDNN-packed float32 linear layers.
     native_kernels: bool = True
+    # Every request's answer the same bit for bit whatever else is in the batch, however its
+    # prompt was chunked, preempted or found in the prefix cache (models/batch_invariance.py).
+    deterministic: bool = False
     # int8: weight-only int8 linear layers with per-row scales (models/int8_linear.py).
     quantization: str | None = None
     # auto: generation_config.json's sampling settings are the defaults of requests that leave

@@ -23,6 +23,7 @@ from poise.engine.guided import GuidedMatchers
 from poise.engine.intake import IntakeLimits, RequestFactory, RequestOptions
 from poise.engine.kernels import load_paged_decode_attention
 from poise.engine.kv_cache import KVCacheManager, kv_bytes_per_token, num_blocks_for_budget
+from poise.engine.models.batch_invariance import check_row_invariance, stabilise_linears
 from poise.engine.models.checkpoint import load_tokenizer, open_checkpoint
 from poise.engine.models.loader import load_model
 from poise.engine.outputs import CompletionOutput, EngineStats, RequestOutput
@@ -80,6 +81,11 @@ class LLMEngine:
             self.config.native_kernels,
             self.config.quantization,
         )
+        if self.config.deterministic:
+            stabilise_linears(self.model)
+            check_row_invariance(
+                self.model, next(self.model.parameters()).dtype, self.config.max_num_batched_tokens
+            )
         self.tokenizer = load_tokenizer(self.checkpoint)
         mc = self.model.config
         self.max_model_len = min(self.config.max_model_len or mc.max_model_len, mc.max_model_len)
@@ -121,6 +127,7 @@ class LLMEngine:
             self.config.seed,
             load_paged_decode_attention() if self.config.native_kernels else None,
             GuidedMatchers(self.tokenizer.to_json, mc.vocab_size, self.eos_token_ids),
+            self.config.deterministic,
         )
         self.limits = IntakeLimits(
             self.max_model_len,

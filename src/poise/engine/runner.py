@@ -11,6 +11,7 @@ cut into buckets of ``DECODE_BUCKET`` so each bucket pads only to its own longes
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 
 import torch
@@ -23,11 +24,19 @@ from poise.engine.models.attention import (
     DecodeBucket,
     PrefillChunk,
 )
+from poise.engine.models.batch_invariance import BatchVariantError
 from poise.engine.models.llama import LlamaForCausalLM
 from poise.engine.sampler import Sampled, SampleRow, sample
 from poise.engine.scheduler import ScheduledSequence, SchedulerOutput
 
 DECODE_BUCKET = 16
+
+
+def draw_seed(seed: int, position: int) -> int:
+    """The generator seed of a request's draw at output ``position``: (seed, position) mixed by
+    a hash, so that neighbouring seeds or positions give unrelated streams."""
+    digest = hashlib.blake2b(f"{seed}:{position}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") >> 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +56,7 @@ class ModelRunner:
         seed: int = 0,
         decode_kernel: PagedDecodeAttention | None = None,
         guided: GuidedMatchers | None = None,
+        deterministic: bool = False,
     ) -> None:
         self.model = model
         self.guided = guided
@@ -61,6 +71,12 @@ class ModelRunner:
         ):
             decode_kernel = None
         self.decode_kernel = decode_kernel
+        if deterministic and decode_kernel is None:
+            raise BatchVariantError(
+                "deterministic mode needs poise's native attention kernel: native_kernels on, "
+                "a C compiler with OpenMP, float32 or bfloat16 on the CPU, at most 16 query "
+                "heads per KV head and head_dim at most 256"
+            )
         self.windows = sorted(set(c.layer_windows), key=lambda w: -1 if w is None else w)
         slots = num_blocks * block_size
         shape = (c.num_kv_heads, slots, c.head_dim)
@@ -72,20 +88,27 @@ class ModelRunner:
             for _ in range(c.num_layers)
         ]
         self._default_generator = torch.Generator(device="cpu").manual_seed(seed)
-        self._generators: dict[str, torch.Generator] = {}
+        self.deterministic = deterministic
+        self._seeds: dict[str, int] = {}  # unseeded requests' own seeds (deterministic mode)
 
     def _generator(self, seq: ScheduledSequence) -> torch.Generator:
-        if seq.sampling.seed is None:
+        """A seeded request's draw for its output position ``p`` comes from (seed, p) alone:
+        the same wherever and whenever it is drawn, so a request preempted, resumed on another
+        replica or batched differently draws what it would have. Unseeded requests share one
+        stream, unless the mode is deterministic: then each gets a seed of its own, once."""
+        seed = seq.sampling.seed
+        if seed is None and self.deterministic:
+            seed = self._seeds.get(seq.request_id)
+            if seed is None:
+                seed = int(torch.randint(0, 2**62, (1,), generator=self._default_generator))
+                self._seeds[seq.request_id] = seed
+        if seed is None:
             return self._default_generator
-        gen = self._generators.get(seq.request_id)
-        if gen is None:
-            gen = torch.Generator(device="cpu").manual_seed(seq.sampling.seed)
-            self._generators[seq.request_id] = gen
-        return gen
+        return torch.Generator(device="cpu").manual_seed(draw_seed(seed, len(seq.output_token_ids)))
 
     def forget(self, request_ids: list[str]) -> None:
         for rid in request_ids:
-            self._generators.pop(rid, None)
+            self._seeds.pop(rid, None)
         if self.guided is not None:
             self.guided.forget(request_ids)
 
@@ -97,17 +120,28 @@ class ModelRunner:
     def _decode_bucket(
         self, seqs: list[ScheduledSequence], token_start: int, window: int | None
     ) -> DecodeBucket:
+        return self._bucket(
+            [(s.block_table, s.start_position + 1, 1) for s in seqs], token_start, window
+        )
+
+    def _bucket(
+        self, entries: list[tuple[list[int], int, int]], token_start: int, window: int | None
+    ) -> DecodeBucket:
+        """One query token per row: ``entries`` of (block table, context length of the first
+        row, rows), a run of rows reading one table with contexts one longer each."""
         bs = self.block_size
-        ctx = torch.tensor([s.start_position + 1 for s in seqs])
+        ctx = torch.cat([torch.arange(c, c + n) for _, c, n in entries])
         starts = (ctx - window).clamp(min=0) if window is not None else torch.zeros_like(ctx)
         width = -(-int(ctx.max()) // bs)
-        tables = torch.zeros(len(seqs), width, dtype=torch.long)
-        for i, s in enumerate(seqs):
-            tables[i, : min(width, len(s.block_table))] = torch.tensor(s.block_table[:width])
+        tables = torch.zeros(len(ctx), width, dtype=torch.long)
+        row = 0
+        for table, _, n in entries:
+            tables[row : row + n, : min(width, len(table))] = torch.tensor(table[:width])
+            row += n
         windowed = bool(starts.any())
         if self.decode_kernel is not None:
             return DecodeBucket(
-                token_start, len(seqs), tables, ctx, starts if windowed else None, None, None
+                token_start, len(ctx), tables, ctx, starts if windowed else None, None, None
             )
         span = int((ctx - starts).max())
         pos = starts.unsqueeze(1) + torch.arange(span).unsqueeze(0)  # (n, span)
@@ -118,7 +152,7 @@ class ModelRunner:
         masked = padding.to(self.device) if bool(padding.any()) else None
         return DecodeBucket(
             token_start,
-            len(seqs),
+            len(ctx),
             tables.to(self.device),
             ctx.to(self.device),
             starts.to(self.device) if windowed else None,
@@ -150,6 +184,12 @@ class ModelRunner:
         prefill_slots: list[torch.Tensor],
         window: int | None,
     ) -> AttentionView:
+        if self.deterministic:
+            # Every token, prompt chunks' too, by the kernel's one reduction order: a token's
+            # attention is the same decoded or prefilled, alone or in any company.
+            entries = [(s.block_table, s.start_position + 1, 1) for s in decodes]
+            entries += [(s.block_table, s.start_position + 1, len(s.token_ids)) for s in prefills]
+            return AttentionView([self._bucket(entries, 0, window)], [])
         per_bucket = len(decodes) if self.decode_kernel is not None else DECODE_BUCKET
         buckets = [
             self._decode_bucket(decodes[start : start + per_bucket], start, window)

@@ -83,6 +83,7 @@ def engine_config(settings: ServerSettings) -> EngineConfig:
         max_model_len=settings.max_model_len,
         seed=settings.seed,
         native_kernels=settings.native_kernels,
+        deterministic=settings.deterministic,
         quantization=settings.quantization,
         generation_config=settings.generation_config,
     )
@@ -342,7 +343,10 @@ def create_app(
     async def models() -> ModelList:
         replica = state.replica
         max_len = replica.engine.max_model_len if replica is not None else None
-        return ModelList(data=[ModelCard(id=settings.model_name, max_model_len=max_len)])
+        card = ModelCard(
+            id=settings.model_name, max_model_len=max_len, deterministic=settings.deterministic
+        )
+        return ModelList(data=[card])
 
     @app.get("/health")
     async def health(probe: str | None = None) -> JSONResponse:
@@ -385,9 +389,15 @@ def create_app(
         )
 
     @app.get("/version")
-    async def version() -> dict[str, str]:
-        # "engine" lets a gateway in front tell a poise replica from other engines.
-        return {"version": __version__, "engine": "poise", "model": settings.model_name}
+    async def version() -> dict[str, Any]:
+        # "engine" lets a gateway in front tell a poise replica from other engines, and
+        # "deterministic" whether a stream continued on it goes on as it would have.
+        return {
+            "version": __version__,
+            "engine": "poise",
+            "model": settings.model_name,
+            "deterministic": settings.deterministic,
+        }
 
     if settings.enable_fault_injection:
 

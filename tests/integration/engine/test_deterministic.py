@@ -1,0 +1,126 @@
+"""The deterministic mode: a request's answer is the same bit for bit whatever the batch around it,
+however its prompt was chunked, after preemption and after a prefix-cache warm-up; for each
+architecture, in float32 and bfloat16, greedy and seeded.
+
+The probes are compared by their token ids and logprobs: alone (one at a time), in a crowd of
+others of mixed lengths, with a small token budget (prompts cut into chunks, prefill beside
+decode), on a small KV pool (preemption and recompute) and after the same prompts warmed the
+prefix cache. Without the mode, bfloat16 answers part in at least one of these (the control).
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from poise import LLM, SamplingParams
+from poise.engine.models.batch_invariance import BatchVariantError
+
+pytestmark = pytest.mark.slow
+
+PROBES = [
+    "The quick brown fox jumps over the lazy dog and then",
+    "In 1905 a clerk in Bern wrote four papers that",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n    return",
+    "Once upon a time, in a kingdom by the sea, there lived",
+]
+
+
+def _crowd(n: int, rng: random.Random) -> list[str]:
+    words = [
+        "alpha",
+        "beta",
+        "gamma",
+        "delta",
+        "epsilon",
+        "zeta",
+        "eta",
+        "theta",
+        "iota",
+        "kappa",
+        "lambda",
+        "mu",
+    ]
+    return [" ".join(rng.choice(words) for _ in range(rng.randint(3, 50))) for _ in range(n)]
+
+
+def _params(kind: str, i: int, max_tokens: int = 24) -> SamplingParams:
+    if kind == "greedy":
+        return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
+    return SamplingParams(
+        temperature=0.8, top_p=0.95, seed=1000 + i, max_tokens=max_tokens, ignore_eos=True,
+        logprobs=0,
+    )  # fmt: skip
+
+
+def _answers(llm: LLM, kind: str, crowd: list[str] | None = None) -> list[Any]:
+    """The probes' (token ids, logprobs): alone, or all at once among ``crowd``."""
+    if crowd is None:
+        outs = [llm.generate([p], _params(kind, i))[0] for i, p in enumerate(PROBES)]
+    else:
+        rng = random.Random(7)
+        batch = [(p, _params(kind, i)) for i, p in enumerate(PROBES)]
+        batch += [(c, _params(kind, 100 + j, rng.randint(4, 40))) for j, c in enumerate(crowd)]
+        order = list(range(len(batch)))
+        rng.shuffle(order)
+        got = llm.generate([batch[k][0] for k in order], [batch[k][1] for k in order])
+        by_index = {k: out for k, out in zip(order, got, strict=True)}
+        outs = [by_index[i] for i in range(len(PROBES))]
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+
+
+def _engines(model: Path, dtype: str, deterministic: bool) -> dict[str, LLM]:
+    base = {"dtype": dtype, "deterministic": deterministic, "step_time_budget_s": None}
+    return {
+        "plain": LLM(model, **base, enable_prefix_caching=False),
+        "chunked": LLM(model, **base, max_num_batched_tokens=24, enable_prefix_caching=False),
+        "preempting": LLM(model, **base, num_kv_blocks=24, enable_prefix_caching=False),
+        "prefix-cached": LLM(model, **base),
+    }
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
+def test_every_probe_answers_the_same_in_any_batch(model_dirs, arch, dtype):
+    engines = _engines(model_dirs[arch], dtype, deterministic=True)
+    crowd = _crowd(20, random.Random(arch))
+    for kind in ("greedy", "seeded"):
+        reference = _answers(engines["plain"], kind)
+        cases = {
+            "plain, crowded": _answers(engines["plain"], kind, crowd),
+            "chunked, crowded": _answers(engines["chunked"], kind, crowd),
+            "preempting, crowded": _answers(engines["preempting"], kind, crowd),
+        }
+        cached = engines["prefix-cached"]
+        _answers(cached, kind)  # warms the prefix cache with every probe
+        cases["prefix-cached, crowded"] = _answers(cached, kind, crowd)
+        for case, got in cases.items():
+            for i, (want, have) in enumerate(zip(reference, got, strict=True)):
+                assert have == want, f"{arch} {dtype} {kind}: probe {i} differs {case}"
+    preempted = engines["preempting"].engine.scheduler.num_preemptions_total
+    assert preempted > 0, "the small pool preempted nothing: the case tested nothing"
+
+
+def test_without_the_mode_bfloat16_answers_part(model_dirs):
+    """The control: the cases above do tell a batch-dependent engine apart."""
+    engines = _engines(model_dirs["llama"], "bfloat16", deterministic=False)
+    crowd = _crowd(20, random.Random("llama"))
+    reference = _answers(engines["plain"], "greedy")
+    differing = sum(
+        have != want
+        for name in ("plain", "chunked", "preempting")
+        for want, have in zip(reference, _answers(engines[name], "greedy", crowd), strict=True)
+    )
+    assert differing > 0
+
+
+def test_the_mode_refuses_to_start_where_it_cannot_hold(llama_dir):
+    """Without poise's kernels, float32 layers go through PyTorch's own linear, whose rows
+    change with the batch here: the load fails naming the layer, rather than promise."""
+    with pytest.raises(BatchVariantError, match=r"deterministic mode: layer \S+qkv_proj"):
+        LLM(llama_dir, deterministic=True, native_kernels=False)
+    with pytest.raises(BatchVariantError, match="native attention kernel"):
+        LLM(llama_dir, deterministic=True, native_kernels=False, dtype="bfloat16")
