@@ -103,8 +103,11 @@ class PoiseResult:
     steps: int
 
 
-def run_poise(model_dir: Path, dtype: str, w: Workload, kv_bytes: int) -> PoiseResult:
-    llm = LLM(model_dir, dtype=dtype, kv_cache_memory_bytes=kv_bytes, max_num_seqs=64)
+def run_poise(
+    model_dir: Path, dtype: str, w: Workload, kv_bytes: int, **options: object
+) -> PoiseResult:
+    """``options``: more of the engine's settings (the deterministic mode, say)."""
+    llm = LLM(model_dir, dtype=dtype, kv_cache_memory_bytes=kv_bytes, max_num_seqs=64, **options)
     warm = SamplingParams(temperature=0, max_tokens=4)
     llm.generate([{"prompt_token_ids": w.prompts[0][:32]}], warm)
     engine = llm.engine
