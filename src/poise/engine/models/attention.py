@@ -8,7 +8,9 @@ mask, by two batched matrix products: CPU flash attention is slow for a single q
 On the CPU the native kernel (``poise.engine.kernels``) replaces that path when it is built: it
 reads the blocks in place instead of gathering them.
 Prefill chunks go one sequence at a time through PyTorch's SDPA, with a causal mask offset by
-the tokens already cached.
+the tokens already cached. In the deterministic mode the runner sends every token, prompt
+chunks' too, through the native kernel as a query row of its own (context up to its position),
+so a token's attention never depends on how its prompt was cut or decoded.
 
 A layer with a sliding window ``w`` lets the token at position ``q`` see keys ``q - w < k <=
 q`` (transformers' ``sliding_window_overlay``). Its context starts at ``q - w + 1``, so it never
