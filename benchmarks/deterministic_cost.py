@@ -25,7 +25,11 @@ from engine_throughput import DEFAULT_MODEL, run_poise, workload_w1
 
 def agreement(model: Path, dtype: str, deterministic: bool, w, probes: int = 8) -> int:
     """How many of the first ``probes`` requests answer alone as they do among all of W1."""
-    llm = LLM(model, dtype=dtype, deterministic=deterministic, max_num_seqs=64)
+    # No prefix cache: the lone runs must compute their prompts afresh, not reuse the crowd's.
+    llm = LLM(
+        model, dtype=dtype, deterministic=deterministic, max_num_seqs=64,
+        enable_prefix_caching=False,
+    )  # fmt: skip
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in w.output_lens]
     prompts = [{"prompt_token_ids": p} for p in w.prompts]
     crowd = llm.generate(prompts, params)

@@ -23,7 +23,11 @@ from poise.engine.guided import GuidedMatchers
 from poise.engine.intake import IntakeLimits, RequestFactory, RequestOptions
 from poise.engine.kernels import load_paged_decode_attention
 from poise.engine.kv_cache import KVCacheManager, kv_bytes_per_token, num_blocks_for_budget
-from poise.engine.models.batch_invariance import check_row_invariance, stabilise_linears
+from poise.engine.models.batch_invariance import (
+    check_row_invariance,
+    require_attention_kernel,
+    stabilise_linears,
+)
 from poise.engine.models.checkpoint import load_tokenizer, open_checkpoint
 from poise.engine.models.loader import load_model
 from poise.engine.outputs import CompletionOutput, EngineStats, RequestOutput
@@ -81,7 +85,9 @@ class LLMEngine:
             self.config.native_kernels,
             self.config.quantization,
         )
+        kernel = load_paged_decode_attention() if self.config.native_kernels else None
         if self.config.deterministic:
+            require_attention_kernel(self.model, kernel)
             stabilise_linears(self.model)
             check_row_invariance(
                 self.model, next(self.model.parameters()).dtype, self.config.max_num_batched_tokens
@@ -125,7 +131,7 @@ class LLMEngine:
             self.config.block_size,
             self.eos_token_ids,
             self.config.seed,
-            load_paged_decode_attention() if self.config.native_kernels else None,
+            kernel,
             GuidedMatchers(self.tokenizer.to_json, mc.vocab_size, self.eos_token_ids),
             self.config.deterministic,
         )

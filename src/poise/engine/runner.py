@@ -2,11 +2,12 @@
 
 Owns the KV pool's tensors (one K and one V tensor per layer, ``(kv_heads, num_blocks *
 block_size, head_dim)``, allocated and zeroed once at start so running out of memory shows at
-start, not mid-request) and the per-request random generators. Builds the flat batch: decode
-tokens first (one per sequence), then prefill chunks, and the cache slots each token reads and
-writes, from the block tables the scheduler handed over. With the native decode kernel all
-decode sequences form one bucket read in place; without it they are sorted by context length and
-cut into buckets of ``DECODE_BUCKET`` so each bucket pads only to its own longest context.
+start, not mid-request) and what seeds each sampled row's draw (``draw_seed``). Builds the flat
+batch: decode tokens first (one per sequence), then prefill chunks, and the cache slots each
+token reads and writes, from the block tables the scheduler handed over. With the native decode
+kernel all decode sequences form one bucket read in place; without it they are sorted by context
+length and cut into buckets of ``DECODE_BUCKET`` so each bucket pads only to its own longest
+context. In the deterministic mode every token, prompt chunks' too, is a row of that bucket.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from poise.engine.models.attention import (
     DecodeBucket,
     PrefillChunk,
 )
-from poise.engine.models.batch_invariance import BatchVariantError
+from poise.engine.models.batch_invariance import require_attention_kernel
 from poise.engine.models.llama import LlamaForCausalLM
 from poise.engine.sampler import Sampled, SampleRow, sample
 from poise.engine.scheduler import ScheduledSequence, SchedulerOutput
@@ -71,12 +72,8 @@ class ModelRunner:
         ):
             decode_kernel = None
         self.decode_kernel = decode_kernel
-        if deterministic and decode_kernel is None:
-            raise BatchVariantError(
-                "deterministic mode needs poise's native attention kernel: native_kernels on, "
-                "a C compiler with OpenMP, float32 or bfloat16 on the CPU, at most 16 query "
-                "heads per KV head and head_dim at most 256"
-            )
+        if deterministic:
+            require_attention_kernel(model, decode_kernel)
         self.windows = sorted(set(c.layer_windows), key=lambda w: -1 if w is None else w)
         slots = num_blocks * block_size
         shape = (c.num_kv_heads, slots, c.head_dim)

@@ -1,8 +1,10 @@
 """Logits → next tokens, one row per sequence that samples this step.
 
-Greedy rows are one argmax over the batch. Every other row samples with its own generator:
-seeded requests own a ``torch.Generator`` seeded once, so the same seed and input give the same
-tokens whatever else shares the batch; unseeded ones draw from the runner's generator.
+Greedy rows are one argmax over the batch. Every other row samples with the generator the runner
+gives it: a seeded request's draw at output position p from one seeded by (seed, p) alone, so the
+same seed and input give the same tokens whatever else shares the batch, and after preemption
+or resumption; unseeded ones draw from the runner's shared generator (or, in the deterministic
+mode, one seeded per request).
 Logprobs are those of the model's distribution before penalties and temperature (after a
 structured output's grammar mask, as vLLM's).
 

@@ -15,9 +15,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from poise import LLM, SamplingParams
-from poise.engine.models.batch_invariance import BatchVariantError
+from poise.engine.models.batch_invariance import (
+    BatchVariantError,
+    RowStableLinear,
+    check_row_invariance,
+    stabilise_linears,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -96,7 +102,9 @@ def test_every_probe_answers_the_same_in_any_batch(model_dirs, arch, dtype):
         }
         cached = engines["prefix-cached"]
         _answers(cached, kind)  # warms the prefix cache with every probe
+        hits_before = cached.engine.kv.stats.hit_tokens
         cases["prefix-cached, crowded"] = _answers(cached, kind, crowd)
+        assert cached.engine.kv.stats.hit_tokens > hits_before, "no probe found its prefix cached"
         for case, got in cases.items():
             for i, (want, have) in enumerate(zip(reference, got, strict=True)):
                 assert have == want, f"{arch} {dtype} {kind}: probe {i} differs {case}"
@@ -124,3 +132,34 @@ def test_the_mode_refuses_to_start_where_it_cannot_hold(llama_dir):
         LLM(llama_dir, deterministic=True, native_kernels=False)
     with pytest.raises(BatchVariantError, match="native attention kernel"):
         LLM(llama_dir, deterministic=True, native_kernels=False, dtype="bfloat16")
+
+
+def test_the_load_check_names_a_layer_whose_rows_follow_the_batch():
+    """A layer that adds the batch's mean is caught, whatever kernel would hide it."""
+
+    class BatchMean(torch.nn.Linear):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = super().forward(x)
+            return y + y.mean(0, keepdim=True)
+
+    model = torch.nn.Sequential()
+    model.add_module("steady", torch.nn.Linear(8, 8))
+    model.add_module("wobbly", BatchMean(8, 8))
+    assert stabilise_linears(model) == ["steady", "wobbly"]
+    with pytest.raises(BatchVariantError, match="layer wobbly"):
+        check_row_invariance(model, torch.float32, 64)
+
+
+def test_a_lone_row_is_computed_beside_a_copy_of_itself():
+    seen: list[int] = []
+
+    class Counting(torch.nn.Linear):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            seen.append(x.reshape(-1, self.in_features).shape[0])
+            return super().forward(x)
+
+    layer = RowStableLinear(Counting(4, 3))
+    x = torch.randn(1, 4)
+    assert torch.equal(layer(x), layer.inner(x.expand(2, 4).contiguous())[:1])
+    assert layer(torch.randn(5, 4)).shape == (5, 3)
+    assert seen[0] == 2 and seen[-1] == 5

@@ -20,12 +20,13 @@ import torch
 from torch import nn
 
 from poise.engine.errors import ModelLoadError
+from poise.engine.kernels import PagedDecodeAttention
 from poise.engine.models.int8_linear import Int8Linear
 from poise.engine.models.packed_linear import PackedLinear
 
 MIN_ROWS = 2
 # Row counts the load-time check compares (capped by the step's token budget).
-CHECKED_ROWS = (2, 3, 5, 8, 16, 17, 31, 64, 100, 256, 512, 2048)
+CHECKED_ROWS = (*range(2, 34), 48, 64, 100, 128, 256, 512, 1024, 2048)
 
 
 class BatchVariantError(ModelLoadError):
@@ -51,6 +52,20 @@ class RowStableLinear(nn.Module):
 LINEAR_TYPES = (nn.Linear, PackedLinear, Int8Linear)
 
 
+def require_attention_kernel(model: nn.Module, kernel: PagedDecodeAttention | None) -> None:
+    """The mode sends every token's attention through poise's native kernel: refuse it, saying
+    why, where the kernel cannot run this model."""
+    param = next(model.parameters())
+    c = model.config  # type: ignore[attr-defined]
+    group = c.num_heads // c.num_kv_heads
+    if kernel is None or not kernel.supports(param.dtype, param.device, group, c.head_dim):
+        raise BatchVariantError(
+            "deterministic mode needs poise's native attention kernel: native_kernels on, "
+            "a C compiler with OpenMP, float32 or bfloat16 on the CPU, at most 16 query "
+            "heads per KV head and head_dim at most 256"
+        )
+
+
 def stabilise_linears(model: nn.Module) -> list[str]:
     """Wrap every linear layer of ``model`` (the LM head included); their names."""
     targets = [
@@ -69,7 +84,7 @@ def check_row_invariance(model: nn.Module, dtype: torch.dtype, max_rows: int) ->
     results change with the row count, up to ``max_rows``; ``dtype``: the activations'."""
     seen: set[tuple[str, int, int]] = set()
     gen = torch.Generator().manual_seed(0)
-    counts = sorted({MIN_ROWS, *(n for n in CHECKED_ROWS if n <= max_rows)})
+    counts = sorted({MIN_ROWS, max_rows, *(n for n in CHECKED_ROWS if n <= max_rows)})
     total = counts[-1]
     for name, layer in model.named_modules():
         if not isinstance(layer, RowStableLinear):
@@ -78,7 +93,8 @@ def check_row_invariance(model: nn.Module, dtype: torch.dtype, max_rows: int) ->
         if key in seen:
             continue
         seen.add(key)
-        x = torch.randn(total, layer.in_features, generator=gen).to(dtype)
+        device = next(layer.parameters(), torch.empty(0)).device
+        x = torch.randn(total, layer.in_features, generator=gen).to(device, dtype)
         with torch.inference_mode():
             whole = layer(x)
             # Each size at the head and the tail of the batch, and a lone row, as a decode
