@@ -25,7 +25,6 @@ from poise.engine.models.attention import (
     DecodeBucket,
     PrefillChunk,
 )
-from poise.engine.models.batch_invariance import require_attention_kernel
 from poise.engine.models.llama import LlamaForCausalLM
 from poise.engine.sampler import Sampled, SampleRow, sample
 from poise.engine.scheduler import ScheduledSequence, SchedulerOutput
@@ -71,9 +70,8 @@ class ModelRunner:
             self.dtype, self.device, group, c.head_dim
         ):
             decode_kernel = None
+        # None here in the deterministic mode cannot happen: the engine refuses it at load.
         self.decode_kernel = decode_kernel
-        if deterministic:
-            require_attention_kernel(model, decode_kernel)
         self.windows = sorted(set(c.layer_windows), key=lambda w: -1 if w is None else w)
         slots = num_blocks * block_size
         shape = (c.num_kv_heads, slots, c.head_dim)

@@ -48,13 +48,13 @@ class PoolGate:
         self._pump: asyncio.Task[None] | None = None
 
     def capacity(self) -> float:
-        s, now = self.settings, self.clock()
-        fresh_s = self.pool.stale_after_s
+        s, pool = self.settings, self.pool
         total = 0.0
-        for b in self.pool.eligible():
+        for b in pool.eligible():
             load = b.load
             if load.at is not None:
-                if now - load.at > fresh_s and (b.passed_at is None or now - b.passed_at > fresh_s):
+                stale = pool.older_than_a_report_may_be(load.at)
+                if stale and (b.passed_at is None or pool.older_than_a_report_may_be(b.passed_at)):
                     continue
                 if load.waiting >= s.max_backend_waiting or load.kv_usage >= s.max_kv_usage:
                     continue

@@ -236,12 +236,16 @@ class Pool:
         self._remote_out[url] = max(until, self._remote_out.get(url, 0.0))
         return not known
 
+    def older_than_a_report_may_be(self, at: float | None) -> bool:
+        """Whether a backend's load report (or passed check) read at ``at`` is stale."""
+        return at is not None and self.clock() - at > self.stale_after_s
+
     def score(self, b: Backend) -> float:
         load = b.load
         # A nearly full KV cache means preemptions soon: as bad as a queue of ten.
         reported = load.waiting + (10.0 if load.kv_usage > 0.95 else 0.0)
         running = float(b.inflight)
-        if load.at is not None and self.clock() - load.at > self.stale_after_s:
+        if self.older_than_a_report_may_be(load.at):
             reported += STALE_LOAD_PENALTY
         elif b.kind != "poise":
             # Another engine's batch takes nearly all it is sent, so little ever waits there:
