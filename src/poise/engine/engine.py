@@ -22,10 +22,12 @@ from poise.engine.generation_config import load_generation_config
 from poise.engine.guided import GuidedMatchers
 from poise.engine.intake import IntakeLimits, RequestFactory, RequestOptions
 from poise.engine.kernels import load_paged_decode_attention
+from poise.engine.kernels.row_ops import load_row_ops
 from poise.engine.kv_cache import KVCacheManager, kv_bytes_per_token, num_blocks_for_budget
 from poise.engine.models.batch_invariance import (
     check_row_invariance,
-    require_attention_kernel,
+    require_native_kernels,
+    stabilise_elementwise,
     stabilise_linears,
 )
 from poise.engine.models.checkpoint import load_tokenizer, open_checkpoint
@@ -87,8 +89,10 @@ class LLMEngine:
         )
         kernel = load_paged_decode_attention() if self.config.native_kernels else None
         if self.config.deterministic:
-            require_attention_kernel(self.model, kernel)
+            row_ops = load_row_ops() if self.config.native_kernels else None
+            row_ops = require_native_kernels(self.model, kernel, row_ops)
             stabilise_linears(self.model)
+            stabilise_elementwise(self.model, row_ops)
             check_row_invariance(
                 self.model, next(self.model.parameters()).dtype, self.config.max_num_batched_tokens
             )

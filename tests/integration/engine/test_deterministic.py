@@ -11,11 +11,13 @@ prefix cache. Without the mode, bfloat16 answers part in at least one of these (
 from __future__ import annotations
 
 import random
+import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM, Phi3Config, Qwen3Config
 
 from poise import LLM, SamplingParams
 from poise.engine.models.batch_invariance import (
@@ -24,6 +26,9 @@ from poise.engine.models.batch_invariance import (
     check_row_invariance,
     stabilise_linears,
 )
+from poise.engine.models.layers import MLP
+from poise.engine.models.rope import RotaryEmbedding
+from testconfigs import TINY_HF_CONFIG
 
 pytestmark = pytest.mark.slow
 
@@ -33,6 +38,40 @@ PROBES = [
     "def fibonacci(n):\n    if n < 2:\n        return n\n    return",
     "Once upon a time, in a kingdom by the sea, there lived",
 ]
+
+
+# Architectures made with transformers' own classes (make_model has llama, mistral and qwen2):
+# Qwen3 with its q/k norms and a sliding window on every layer, and Phi-3 with LongRoPE, whose
+# rotation changes once a sequence passes 32 tokens (the probes do while they generate).
+HF_CONFIGS = {
+    "qwen3-sliding-window": Qwen3Config(
+        **TINY_HF_CONFIG, head_dim=16, use_sliding_window=True, sliding_window=24,
+        max_window_layers=0,
+    ),
+    "phi3-longrope": Phi3Config(
+        **TINY_HF_CONFIG, pad_token_id=0, max_position_embeddings=256,
+        original_max_position_embeddings=32,
+        rope_parameters={
+            "rope_type": "longrope", "rope_theta": 10000.0,
+            "short_factor": [1.0 + 0.05 * i for i in range(8)],
+            "long_factor": [1.5 + 0.5 * i for i in range(8)],
+        },
+    ),
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def all_models(model_dirs, tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("deterministic-models")
+    built = dict(model_dirs)
+    for name, config in HF_CONFIGS.items():
+        torch.manual_seed(len(name))
+        path = root / name
+        AutoModelForCausalLM.from_config(config).save_pretrained(path)
+        for f in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(model_dirs["llama"] / f, path / f)
+        built[name] = path
+    return built
 
 
 def _crowd(n: int, rng: random.Random) -> list[str]:
@@ -78,20 +117,28 @@ def _answers(llm: LLM, kind: str, crowd: list[str] | None = None) -> list[Any]:
     return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
 
 
-def _engines(model: Path, dtype: str, deterministic: bool) -> dict[str, LLM]:
+def _engines(model: Path, dtype: str, deterministic: bool, pool: int = 24) -> dict[str, LLM]:
+    """``pool``: the preempting engine's KV blocks."""
     base = {"dtype": dtype, "deterministic": deterministic, "step_time_budget_s": None}
     return {
         "plain": LLM(model, **base, enable_prefix_caching=False),
         "chunked": LLM(model, **base, max_num_batched_tokens=24, enable_prefix_caching=False),
-        "preempting": LLM(model, **base, num_kv_blocks=24, enable_prefix_caching=False),
+        "preempting": LLM(model, **base, num_kv_blocks=pool, enable_prefix_caching=False),
         "prefix-cached": LLM(model, **base),
     }
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
-def test_every_probe_answers_the_same_in_any_batch(model_dirs, arch, dtype):
-    engines = _engines(model_dirs[arch], dtype, deterministic=True)
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", *HF_CONFIGS])
+def test_every_probe_answers_the_same_in_any_batch(all_models, arch, dtype):
+    # Under a window on every layer a sequence gives its old blocks back: a smaller pool.
+    pool = 16 if "sliding-window" in arch else 24
+    engines = _engines(all_models[arch], dtype, deterministic=True, pool=pool)
+    model = engines["plain"].engine.model
+    assert all(m.silu_and_mul is not None for m in model.modules() if isinstance(m, MLP))
+    ropes = [m for m in model.modules() if isinstance(m, RotaryEmbedding)]
+    assert all((m.row_table is not None) == m.length_dependent for m in ropes)
+    assert any(m.length_dependent for m in ropes) == (arch == "phi3-longrope")
     crowd = _crowd(20, random.Random(arch))
     for kind in ("greedy", "seeded"):
         reference = _answers(engines["plain"], kind)
@@ -147,6 +194,19 @@ def test_the_load_check_names_a_layer_whose_rows_follow_the_batch():
     assert stabilise_linears(model) == ["steady", "wobbly"]
     with pytest.raises(BatchVariantError, match="layer wobbly"):
         check_row_invariance(model, torch.float32, 64)
+
+
+def test_the_load_check_names_an_mlp_whose_activation_follows_the_batch():
+    """The MLP is checked whole: its linears pass, its activation does not."""
+    mlp = MLP(8, 4, bias=False)  # shapes whose float32 matrix products keep rows apart here
+    mlp.silu_and_mul = lambda gate_up: gate_up[..., :4] + gate_up[..., 4:].mean(0)
+    model = torch.nn.Sequential()
+    model.add_module("mlp", mlp)
+    assert stabilise_linears(model) == ["mlp.gate_up_proj", "mlp.down_proj"]
+    with pytest.raises(BatchVariantError, match=r"layer mlp \(MLP, 8 -> 8"):
+        check_row_invariance(model, torch.float32, 64)
+    mlp.silu_and_mul = None  # PyTorch's own activation: row by row on this input
+    check_row_invariance(model, torch.float32, 64)
 
 
 def test_a_lone_row_is_computed_beside_a_copy_of_itself():

@@ -4,7 +4,8 @@ Why hand-written: decode attention over a paged cache in plain PyTorch must firs
 sequence's blocks into a contiguous copy and then read that copy twice; on the CPU that is
 memory-bound and costs about two thirds of a decode step. The kernel in ``paged_attention.c``
 reads every K/V row once, straight from the pool. It needs only a C compiler with OpenMP (no
-PyTorch headers, no ninja), and builds in about a second.
+PyTorch headers, no ninja), and builds in about a second. The deterministic mode's
+element-wise kernels (``row_ops.c``, wrapped by ``row_ops.py``) are built into the same library.
 
 It is built with ``-march=native``, so a build is only good on CPUs with the instructions of the
 one that built it: the cache key covers the source, the compiler flags and this CPU's identity
@@ -34,7 +35,10 @@ import torch
 
 log = logging.getLogger("poise.engine.kernels")
 
-_SOURCE = Path(__file__).with_name("paged_attention.c")
+_HERE = Path(__file__).parent
+# Compiled together into one library; the header is part of what a build is made of.
+_SOURCES = (_HERE / "paged_attention.c", _HERE / "row_ops.c")
+_HEADERS = (_HERE / "bf16.h",)
 # Reassociation lets the dot products vectorize; finite-math stays off (-inf is used).
 _CFLAGS = (
     "-O3",
@@ -66,7 +70,7 @@ _CPU_FIELDS = frozenset(
     }
 )
 _lock = threading.Lock()
-_loaded: dict[Path, PagedDecodeAttention | None] = {}
+_loaded: dict[Path, ctypes.CDLL | None] = {}
 
 
 def default_cache_dir() -> Path:
@@ -156,9 +160,13 @@ def kernel_key(source: bytes, cpu: str) -> str:
     return digest.hexdigest()[:16]
 
 
+def _source_bytes() -> bytes:
+    return b"\0".join(path.read_bytes() for path in (*_SOURCES, *_HEADERS))
+
+
 def build_path(cache_dir: Path) -> Path:
-    """Where this CPU's build of the kernel lives in ``cache_dir``."""
-    return cache_dir / f"paged_attention-{kernel_key(_SOURCE.read_bytes(), cpu_identity())}.so"
+    """Where this CPU's build of the kernels lives in ``cache_dir``."""
+    return cache_dir / f"poise-kernels-{kernel_key(_source_bytes(), cpu_identity())}.so"
 
 
 def _build(cache_dir: Path) -> Path:
@@ -171,7 +179,7 @@ def _build(cache_dir: Path) -> Path:
     cache_dir.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache_dir)
     os.close(fd)
-    cmd = [compiler, *_CFLAGS, str(_SOURCE), "-o", tmp, "-lm"]
+    cmd = [compiler, *_CFLAGS, f"-I{_HERE}", *map(str, _SOURCES), "-o", tmp, "-lm"]
     try:
         subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=120)
         os.replace(tmp, target)  # atomic: concurrent builders never see half a file
@@ -201,6 +209,15 @@ for name, (ctype, one, tol) in kinds.items():
     args = (q, kv, kv, table, ctx, None, out, n, heads, kv_heads, dim, bs, bs, 1, 0.125, 1)
     if fn(*args) != 0 or any(abs(x - one) > tol for x in out):
         sys.exit(name + " gave a wrong answer")
+# silu(1) * 1 over a row of 20 (a whole block and a padded one): 0.7310586, bf16 0x3F3B.
+for name, (ctype, one, want, tol) in {
+    "f32": (ctypes.c_float, 1.0, 0.7310586, 1e-6), "bf16": (ctypes.c_uint16, 0x3F80, 0x3F3B, 0)
+}.items():
+    fn = getattr(lib, "silu_and_mul_" + name)
+    fn.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int]
+    gate_up, out = (ctype * 40)(*[one] * 40), (ctype * 20)()
+    if fn(gate_up, out, 1, 20, 1) != 0 or any(abs(x - want) > tol for x in out):
+        sys.exit("silu_and_mul_" + name + " gave a wrong answer")
 """
 
 
@@ -224,20 +241,26 @@ def _trial_run(path: Path) -> None:
         raise RuntimeError(f"the kernel's trial run failed ({path.name}): {why}")
 
 
-def _load(cache_dir: Path) -> PagedDecodeAttention:
+def _load(cache_dir: Path) -> ctypes.CDLL:
     path = _build(cache_dir)
     _trial_run(path)
-    return PagedDecodeAttention(ctypes.CDLL(str(path)))
+    return ctypes.CDLL(str(path))
 
 
-def load_paged_decode_attention(cache_dir: Path | None = None) -> PagedDecodeAttention | None:
-    """The kernel, or None (logged once) when it cannot be built, loaded or run here."""
+def load_library(cache_dir: Path | None = None) -> ctypes.CDLL | None:
+    """The built kernels, or None (logged once) when they cannot be built, loaded or run here."""
     cache_dir = cache_dir or default_cache_dir()
     with _lock:
         if cache_dir not in _loaded:
             try:
                 _loaded[cache_dir] = _load(cache_dir)
             except Exception as exc:  # whatever went wrong, the PyTorch path still serves
-                log.warning("native decode attention unavailable, using PyTorch: %s", exc)
+                log.warning("native kernels unavailable, using PyTorch: %s", exc)
                 _loaded[cache_dir] = None
         return _loaded[cache_dir]
+
+
+def load_paged_decode_attention(cache_dir: Path | None = None) -> PagedDecodeAttention | None:
+    """The decode attention kernel, or None when the kernels cannot be used here."""
+    lib = load_library(cache_dir)
+    return None if lib is None else PagedDecodeAttention(lib)

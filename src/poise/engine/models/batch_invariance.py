@@ -8,10 +8,18 @@ token decoded beside others differ in their last bits, and in bfloat16 the answe
 few dozen tokens. ``RowStableLinear`` never lets a layer see fewer than ``MIN_ROWS`` rows (a
 lone row is computed beside a copy of itself).
 
+Element-wise functions have the same trouble in another form: PyTorch computes most of a tensor
+with vector code and what is left of each thread's share with scalar code, whose exp, sin and
+cos differ in the last bit, and where the shares end follows the batch's size and the thread
+count. ``stabilise_elementwise`` sends SwiGLU's activation and the per-step rotary rows of
+length-dependent RoPE through poise's kernels (``kernels/row_ops.c``), which compute every value
+by the same instructions.
+
 No library offers this on the CPU, and whether a kernel keeps each row's arithmetic fixed is a
 property of the build and the processor: ``check_row_invariance`` measures it at load for each
-distinct layer shape, at row counts up to the step's token budget, and the deterministic mode
-refuses to start, naming the layer, where it does not hold rather than promise what it cannot.
+distinct layer shape and each MLP (its activation included), at row counts up to the step's
+token budget, and the deterministic mode refuses to start, naming the layer, where it does not
+hold rather than promise what it cannot.
 """
 
 from __future__ import annotations
@@ -21,8 +29,11 @@ from torch import nn
 
 from poise.engine.errors import ModelLoadError
 from poise.engine.kernels import PagedDecodeAttention
+from poise.engine.kernels.row_ops import RowOps
 from poise.engine.models.int8_linear import Int8Linear
+from poise.engine.models.layers import MLP
 from poise.engine.models.packed_linear import PackedLinear
+from poise.engine.models.rope import RotaryEmbedding
 
 MIN_ROWS = 2
 # Row counts the load-time check compares (capped by the step's token budget).
@@ -52,18 +63,35 @@ class RowStableLinear(nn.Module):
 LINEAR_TYPES = (nn.Linear, PackedLinear, Int8Linear)
 
 
-def require_attention_kernel(model: nn.Module, kernel: PagedDecodeAttention | None) -> None:
-    """The mode sends every token's attention through poise's native kernel: refuse it, saying
-    why, where the kernel cannot run this model."""
+def require_native_kernels(
+    model: nn.Module, attention: PagedDecodeAttention | None, row_ops: RowOps | None
+) -> RowOps:
+    """The mode sends every token's attention, SwiGLU activation and length-dependent rotary
+    rows through poise's native kernels: refuse it, saying why, where they cannot run here;
+    the element-wise kernels where they can."""
     param = next(model.parameters())
     c = model.config  # type: ignore[attr-defined]
     group = c.num_heads // c.num_kv_heads
-    if kernel is None or not kernel.supports(param.dtype, param.device, group, c.head_dim):
+    fits = attention is not None and attention.supports(
+        param.dtype, param.device, group, c.head_dim
+    )
+    if not fits or row_ops is None or not row_ops.supports(param.dtype, param.device):
         raise BatchVariantError(
-            "deterministic mode needs poise's native attention kernel: native_kernels on, "
-            "a C compiler with OpenMP, float32 or bfloat16 on the CPU, at most 16 query "
-            "heads per KV head and head_dim at most 256"
+            "deterministic mode needs poise's native attention kernel and element-wise "
+            "kernels: native_kernels on, a C compiler with OpenMP, float32 or bfloat16 on the "
+            "CPU, at most 16 query heads per KV head and head_dim at most 256"
         )
+    return row_ops
+
+
+def stabilise_elementwise(model: nn.Module, row_ops: RowOps) -> None:
+    """Every MLP's ``silu(gate) * up`` and every length-dependent RoPE's per-step rows through
+    ``row_ops``."""
+    for module in model.modules():
+        if isinstance(module, MLP):
+            module.silu_and_mul = row_ops.silu_and_mul
+        elif isinstance(module, RotaryEmbedding) and module.length_dependent:
+            module.row_table = row_ops.rope_table
 
 
 def stabilise_linears(model: nn.Module) -> list[str]:
@@ -79,22 +107,34 @@ def stabilise_linears(model: nn.Module) -> list[str]:
     return [full for *_, full in targets]
 
 
+def _checked_modules(model: nn.Module) -> list[tuple[str, nn.Module, tuple[str, int, int]]]:
+    """One of each distinct (kind, in, out) among the stable linears and the MLPs, the MLPs
+    last (a linear's own failure names it more exactly)."""
+    linears, mlps, seen = [], [], set()
+    for name, module in model.named_modules():
+        if isinstance(module, RowStableLinear):
+            key = (type(module.inner).__name__, module.in_features, module.out_features)
+            bucket = linears
+        elif isinstance(module, MLP):
+            hidden = int(module.down_proj.out_features)
+            key, bucket = ("MLP", hidden, hidden), mlps
+        else:
+            continue
+        if key not in seen:
+            seen.add(key)
+            bucket.append((name, module, key))
+    return linears + mlps
+
+
 def check_row_invariance(model: nn.Module, dtype: torch.dtype, max_rows: int) -> None:
     """Raise ``BatchVariantError`` naming the first layer (one per kind and shape) whose row
     results change with the row count, up to ``max_rows``; ``dtype``: the activations'."""
-    seen: set[tuple[str, int, int]] = set()
     gen = torch.Generator().manual_seed(0)
     counts = sorted({MIN_ROWS, max_rows, *(n for n in CHECKED_ROWS if n <= max_rows)})
     total = counts[-1]
-    for name, layer in model.named_modules():
-        if not isinstance(layer, RowStableLinear):
-            continue
-        key = (type(layer.inner).__name__, layer.in_features, layer.out_features)
-        if key in seen:
-            continue
-        seen.add(key)
+    for name, layer, key in _checked_modules(model):
         device = next(layer.parameters(), torch.empty(0)).device
-        x = torch.randn(total, layer.in_features, generator=gen).to(device, dtype)
+        x = torch.randn(total, key[1], generator=gen).to(device, dtype)
         with torch.inference_mode():
             whole = layer(x)
             # Each size at the head and the tail of the batch, and a lone row, as a decode

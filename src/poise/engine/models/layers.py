@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -21,14 +23,20 @@ class RMSNorm(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU with gate and up fused into one projection (gate first, as Phi-3 stores it)."""
+    """SwiGLU with gate and up fused into one projection (gate first, as Phi-3 stores it).
+    ``silu_and_mul``, when set, computes ``silu(gate) * up`` from the fused rows (the
+    deterministic mode's kernel)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool) -> None:
         super().__init__()
         self.intermediate = intermediate_size
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.silu_and_mul: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.silu_and_mul is not None:
+            return self.down_proj(self.silu_and_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate, dim=-1)
         return self.down_proj(F.silu(gate) * up)

@@ -22,6 +22,7 @@ each its own rule; poise follows both, per sequence, whatever else shares the ba
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -109,12 +110,16 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 # (positions, lengths, dtype), their version counters, (cos, sin): one step's rotary rows.
+# (positions, inv_freq, attention scale) -> float32 (cos, sin) rows.
+RowTable = Callable[[torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]]
 StepRows = tuple[tuple[object, ...], tuple[int | None, ...], tuple[torch.Tensor, torch.Tensor]]
 
 
 class RotaryEmbedding(nn.Module):
     """cos/sin tables kept in float32 (scaled by the attention factor) and cast at use, as
-    transformers does; length-dependent types compute the rows past their threshold per step."""
+    transformers does; length-dependent types compute the rows past their threshold per step,
+    through ``row_table`` when set (the deterministic mode's kernel: PyTorch's cos and sin give a
+    row another last bit in another batch)."""
 
     def __init__(self, spec: RopeSpec, max_len: int) -> None:
         super().__init__()
@@ -125,6 +130,7 @@ class RotaryEmbedding(nn.Module):
         self._by_len: dict[int, torch.Tensor] = {}  # inv_freq per sequence length (dynamic)
         # The last step's rows, by the identity of its tensors (held, so no id is reused).
         self._step: StepRows | None = None
+        self.row_table: RowTable | None = None
 
     @property
     def length_dependent(self) -> bool:
@@ -157,7 +163,11 @@ class RotaryEmbedding(nn.Module):
         for length in rope_lens[beyond].unique().tolist():
             rows = (rope_lens == length).nonzero().squeeze(1)
             inv = self._inv_freq_for(int(length))
-            cos[rows], sin[rows] = self._table(positions[rows], inv)
+            if self.row_table is None:
+                cos[rows], sin[rows] = self._table(positions[rows], inv)
+            else:
+                scale = self.spec.attention_scaling
+                cos[rows], sin[rows] = self.row_table(positions[rows], inv, scale)
         return cos, sin
 
     def _inv_freq_for(self, length: int) -> torch.Tensor:
