@@ -30,6 +30,7 @@ def gateway_state(gw: GatewayCore) -> dict[str, Any]:
                     "draining": b.retired,  # out of routing: drained or no longer discovered
                     "breaker": b.breaker.state.value,
                     "ejected": pool.outliers.is_ejected(b.url),
+                    "error_answers": b.error_answers,  # its latest attempts answered 5xx, in a row
                     "slow": pool.slow_ejected(b),  # out for its time per token
                     "latency_cost": round(pool.latency.cost(b.url), 3),
                     "inflight": b.inflight,

@@ -310,11 +310,11 @@ class Forwarder:
                         outcome.done("deadline")
                         raise APIError(504, f"{backend.url}: {error_message(data)}", code="timeout")
                     if status in RETRYABLE_STATUS and call.idempotent:
-                        outcome.done("overloaded" if status == 429 else "error")
+                        outcome.done("overloaded" if status == 429 else "error", answered=True)
                         journey.last_error = f"{status} from {backend.url}: {error_message(data)}"
                         return None, retry_after_s(response)
                     verdict = "overloaded" if status == 429 else "ok" if status < 500 else "error"
-                    outcome.done(verdict, output_tokens(data))
+                    outcome.done(verdict, output_tokens(data), answered=True)
                     return Upstream(status, passed_headers(response), data, backend=backend), None
                 chunks = response.content.iter_any()
                 first = await anext(chunks, b"")

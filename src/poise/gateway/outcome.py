@@ -63,8 +63,9 @@ class Outcome:
                 self.span.set_status(trace.StatusCode.ERROR, outcome)
             self.span.end()
 
-    def done(self, outcome: str, tokens: int | None = None) -> None:
-        """``tokens``: the output tokens of a whole (non-streamed) answer, when it says."""
+    def done(self, outcome: str, tokens: int | None = None, answered: bool = False) -> None:
+        """``tokens``: the output tokens of a whole (non-streamed) answer, when it says;
+        ``answered``: the outcome is the status the backend answered with, before any output."""
         if self.closed:
             return
         self.closed = True
@@ -94,7 +95,7 @@ class Outcome:
         else:
             self.backend.breaker.record(self.permit, not failed, timing)
         if outcome != "deadline":
-            self.pool.outliers.record(self.backend.url, not failed)
+            self.pool.judge(self.backend, not failed, error_answer=answered)
         self.on_outcome(self.backend, outcome)
 
     def abandon(self) -> None:

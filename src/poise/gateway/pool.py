@@ -16,7 +16,9 @@ pool's median, work outstanding included: see ``poise.resilience.latency``), so 
 backend gone slow or silent loses the choice at once; a backend whose report is stale counts
 as busy, since silence is not evidence of idleness. One whose time per token stays several
 times the others' is taken out (``poise.resilience.slow_ejection``) until its probes say it is
-fast again.
+fast again. A backend that has answered its latest attempts with errors is judged on its load
+alone until outlier detection has its verdict (``Pool._rather``): its latency cost dates from
+before its failures, and must not keep from it the attempts that verdict needs.
 
 Prefix affinity: a request carries the hash chain of its prompt's leading blocks
 (``poise.gateway.prefix``); the pool prefers the backends that have seen the longest run of
@@ -70,6 +72,9 @@ class Backend:
     load: ReportedLoad = field(default_factory=ReportedLoad)
     source: str | None = None  # the DNS name it was discovered from; None: listed
     kind: Kind | None = None  # its engine, as configured or detected; None: not known yet
+    # A poise replica in its deterministic mode (its health answer says so): a stream it
+    # continues goes on as it would have without the break.
+    deterministic: bool = False
     retired: bool = False  # no longer discovered: out of routing, gone once idle
     # Its health answer says it is draining (a poise replica after SIGTERM): down for new
     # work, but what it holds finishes there and is not cut off.
@@ -78,6 +83,9 @@ class Backend:
     # waiting for their first byte, streams that can be resumed), each with how to cut it off:
     # when the health checks find the backend dead, that work should not wait for it.
     movable: dict[object, Callable[[], None]] = field(default_factory=dict)
+    # Its latest attempts, in a row, that it answered with an error status (a 5xx sent in
+    # place of any output); any other verdict ends the run, and so does its ejection.
+    error_answers: int = 0
 
     def cut_off(self) -> int:
         """Cut off the movable work in flight here; how much there was."""
@@ -240,7 +248,22 @@ class Pool:
         """Whether a backend's load report (or passed check) read at ``at`` is stale."""
         return at is not None and self.clock() - at > self.stale_after_s
 
+    def judge(self, b: Backend, ok: bool, error_answer: bool = False) -> bool:
+        """One attempt's verdict on ``b``, for outlier detection and routing; True when it
+        ejected ``b``. ``error_answer``: the failure is an error status ``b`` answered with
+        (not a timeout, a refused connection or a stream broken part way)."""
+        ejected = self.outliers.record(b.url, ok)
+        # While it is out nothing accrues: it returns with a clean record, as in ``outliers``.
+        out = ejected or self.outliers.is_ejected(b.url)
+        b.error_answers = b.error_answers + 1 if error_answer and not ok and not out else 0
+        return ejected
+
     def score(self, b: Backend) -> float:
+        return self.latency.cost(b.url) * self.load_score(b)
+
+    def load_score(self, b: Backend) -> float:
+        """``score`` without the latency cost: work there (in flight and reported) plus one,
+        over its weight."""
         load = b.load
         # A nearly full KV cache means preemptions soon: as bad as a queue of ten.
         reported = load.waiting + (10.0 if load.kv_usage > 0.95 else 0.0)
@@ -254,7 +277,7 @@ class Pool:
             # A poise replica queues what it cannot run now, so its waiting count says it,
             # and its running one counts the gateway's probes.
             running = max(running, load.running)
-        return self.latency.cost(b.url) * (running + reported + 1) / b.settings.weight
+        return (running + reported + 1) / b.settings.weight
 
     def pick(
         self,
@@ -285,7 +308,34 @@ class Pool:
             if self.score(preferred) <= least + AFFINITY_SLACK:
                 return preferred
         a, b = self.rng.sample(candidates, 2)
-        return a if self.score(a) <= self.score(b) else b
+        return a if self._rather(a, b) else b
+
+    def _rather(self, a: Backend, b: Backend) -> bool:
+        """Whether ``a`` takes the attempt rather than ``b``: the lower score, unless one of
+        them has answered its latest attempts with errors and is not yet ejected for it
+        (``error_answers`` short of ``consecutive_failures``). Then they are compared on load
+        alone, and a tie goes to the one answering with errors.
+
+        A failed attempt is no latency sample, so the latency cost of a backend answering
+        with errors is that of its last good answers, however long ago: were it above the
+        others', the router would send it requests only when the others are busier, and
+        outlier detection, which counts its failures in a row, would wait on that for its
+        verdict (a replica answering 500 to everything stayed in rotation for its whole
+        5 s fault, 3 requests reaching it). As its failures are answered at once, its load
+        stays low, so it gets the next attempts until it is ejected (at most
+        ``consecutive_failures``, each retried elsewhere) or it answers well again, as an
+        Envoy least-request balancer would send them. Past that limit (ejection refused by
+        ``max_ejected_share`` or as the last backend standing), it is scored as usual; its
+        breaker's failure rate is what takes it out then."""
+        limit = self.outliers.config.consecutive_failures
+        ea = 0 < a.error_answers < limit
+        eb = 0 < b.error_answers < limit
+        if not (ea or eb):
+            return self.score(a) <= self.score(b)
+        la, lb = self.load_score(a), self.load_score(b)
+        if la != lb:
+            return la < lb
+        return ea and a.error_answers >= b.error_answers
 
     def _by_prefix(self, candidates: list[Backend], affinity: Affinity) -> Backend:
         """The least loaded of the backends that have seen the longest run of the prompt's

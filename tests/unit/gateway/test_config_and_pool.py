@@ -254,3 +254,76 @@ def test_what_a_backend_reports_running_counts_as_its_load():
     a.kind = b.kind = "poise"
     a.load.running, b.inflight = 8.0, 0
     assert {pool.pick() for _ in range(40)} == {a, b}
+
+
+def _answered(pool: Pool, clock: Clock, backend, ttft: float, tpot: float) -> None:
+    """One good streamed answer from ``backend``: its first token after ``ttft``, one more
+    ``tpot`` later."""
+    timer = pool.latency.stream(backend.url)
+    clock.now += ttft
+    timer.tokens(1)
+    clock.now += tpot
+    timer.tokens(1)
+    timer.close()
+
+
+def test_a_backend_answering_errors_gets_the_attempts_that_eject_it_whatever_its_latency():
+    """A replica answering 500 to everything is ejected within ``consecutive_failures`` of
+    its attempts under the default settings, even when its last good answers (its latency
+    cost: a failed attempt adds nothing to it) were slower than the other's, which would
+    otherwise keep every attempt off it while the other is idle."""
+    clock = Clock()
+    pool = Pool("m", settings(2), clock, random.Random(0))
+    a, b = pool.backends
+    _answered(pool, clock, a, 0.03, 0.04)
+    _answered(pool, clock, b, 0.02, 0.015)
+    assert pool.latency.cost(a.url) > pool.latency.cost(b.url)
+    assert {pool.pick() for _ in range(20)} == {b}  # idle, a loses to its old slowness
+    limit = pool.outliers.config.consecutive_failures
+    assert limit == 5  # the default, Envoy's consecutive_5xx
+    # Its first error is answered while b is busy, the one time it is chosen.
+    b.inflight = 1
+    assert pool.pick() is a
+    assert not pool.judge(a, ok=False, error_answer=True)
+    b.inflight = 0
+    for n in range(2, limit + 1):
+        chosen = pool.pick()
+        assert chosen is a, n  # idle both: the tie goes to the one answering errors
+        ejected = pool.judge(a, ok=False, error_answer=True)
+        assert ejected == (n == limit)
+    assert pool.outliers.is_ejected(a.url) and a.error_answers == 0
+    assert {pool.pick() for _ in range(20)} == {b}
+    # Busier than the other, it is not chosen: load still counts.
+    clock.now += 60.0  # its ejection (30 s, jitter included) is over
+    assert not pool.outliers.is_ejected(a.url)
+    pool.judge(a, ok=False, error_answer=True)
+    a.inflight, b.inflight = 2, 1
+    assert {pool.pick() for _ in range(20)} == {b}
+    # One good answer ends the run: it is scored as usual again.
+    a.inflight = b.inflight = 0
+    pool.judge(a, ok=True)
+    _answered(pool, clock, a, 0.03, 0.04)
+    _answered(pool, clock, b, 0.02, 0.015)
+    assert a.error_answers == 0 and {pool.pick() for _ in range(20)} == {b}
+
+
+def test_only_errors_it_answered_count_and_past_the_limit_it_is_scored_as_usual():
+    clock = Clock()
+    pool = Pool("m", settings(3), clock, random.Random(0))
+    a, b, c = pool.backends
+    for backend, ttft, tpot in ((a, 0.03, 0.04), (b, 0.02, 0.015), (c, 0.02, 0.015)):
+        _answered(pool, clock, backend, ttft, tpot)
+    # A timeout or a refused connection is no error answer: a silent backend stays avoided.
+    pool.judge(a, ok=False)
+    assert a.error_answers == 0
+    assert a not in {pool.pick(exclude=frozenset({c})) for _ in range(20)}
+    # c is ejected; a, answering errors, cannot be as well (max_ejected_share 0.5 of 3): past
+    # consecutive_failures the attempts it needed for a verdict are spent, and its old
+    # latency cost counts again.
+    for _ in range(5):
+        pool.judge(c, ok=False, error_answer=True)
+    assert pool.outliers.is_ejected(c.url)
+    for _ in range(5):
+        assert not pool.judge(a, ok=False, error_answer=True)
+    assert a.error_answers == 5 and not pool.outliers.is_ejected(a.url)
+    assert {pool.pick() for _ in range(20)} == {b}

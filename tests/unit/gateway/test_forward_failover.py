@@ -305,6 +305,34 @@ async def test_the_retry_budget_bounds_the_calls_on_backends_that_fail_everythin
     assert fwd.budget.active_retries == 0
 
 
+async def test_a_backend_answering_500_to_everything_is_ejected_under_the_defaults(backends):
+    """Requests one at a time (the other backend idle each time), and the failing one's last
+    good answers slower than the other's: its failures are retried on the other, and it is
+    ejected after ``consecutive_failures`` (5) of them rather than left in rotation because
+    its old latency cost keeps requests off it."""
+    calls: list[str] = []
+
+    async def fail(request: web.Request) -> web.Response:
+        return web.json_response({"error": {"message": "injected"}}, status=500)
+
+    pool, fwd = await backends(counted(calls, "bad", fail), counted(calls, "good", answer))
+    fwd.policy = RetryPolicy(max_retries=2, base_s=0.0, cap_s=0.0)
+    bad, good = pool.backends
+    for backend, ttft, tpot in ((bad, 0.03, 0.04), (good, 0.02, 0.015)):
+        pool.latency.observe_ttft(backend.url, ttft)
+        pool.latency.observe_tpot(backend.url, tpot)
+    assert pool.latency.cost(bad.url) > pool.latency.cost(good.url)
+    good.inflight += 1  # busy: the one time bad's cost does not keep the request off it
+    up = await send(pool, fwd)
+    assert up.status == 200 and up.backend is good and calls == ["bad", "good"]
+    good.inflight -= 1
+    for _ in range(10):  # each with the other idle
+        up = await send(pool, fwd)
+        assert up.status == 200 and up.backend is good
+    assert pool.outliers.is_ejected(bad.url)
+    assert calls.count("bad") == 5 and calls[:10] == ["bad", "good"] * 5
+
+
 async def test_a_stream_from_another_engine_that_ends_without_done_ends_with_an_error(backends):
     async def cut_short(request: web.Request) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
