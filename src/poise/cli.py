@@ -222,12 +222,15 @@ def _up(args: argparse.Namespace) -> int:
             raise SystemExit("error: want 1 <= --min-replicas <= --max-replicas")
         autoscale = (low, high)
     extra = read_config_file(args.gateway_config) if args.gateway_config else None
+    serve_flags = args.serve_flags.split()
+    if args.deterministic is not None:  # after --serve-flags: the named flag wins
+        serve_flags.append("--deterministic" if args.deterministic else "--no-deterministic")
     return up(
         str(args.model),
         args.replicas,
         args.host,
         args.port,
-        args.serve_flags.split(),
+        serve_flags,
         args.served_model_name,
         extra,
         autoscale,
@@ -292,6 +295,12 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--port", type=int, default=8000)
     u.add_argument("--served-model-name", default="demo")
     u.add_argument("--serve-flags", default="", help="extra flags for each `poise serve`")
+    u.add_argument(
+        "--deterministic",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="each replica's answers the same bit for bit whatever the batch (`poise serve`'s)",
+    )
     u.add_argument(
         "--gateway-config",
         type=Path,

@@ -128,6 +128,8 @@ async def _probe(
         backend.draining = False
         return False, True
     backend.draining = r.status_code != 200 and _says_draining(r)
+    if kind.probe == "poise" and r.is_success:
+        backend.deterministic = _says_deterministic(r)
     # A refusal for load is an answer from a live engine: routing weighs its load.
     return r.is_success or (r.status_code == 429 and kind.probe != "poise"), False
 
@@ -163,6 +165,15 @@ def _busy(before: float | None, report: LoadReport) -> bool:
     if before is None:
         return report.running > 0
     return report.processed - before > PROBE_TOKENS
+
+
+def _says_deterministic(response: httpx.Response) -> bool:
+    """A poise replica's health answer says whether its deterministic mode is on."""
+    try:
+        body = response.json()
+    except ValueError:
+        return False
+    return isinstance(body, dict) and body.get("deterministic") is True
 
 
 def _says_draining(response: httpx.Response) -> bool:

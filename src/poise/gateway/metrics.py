@@ -105,7 +105,9 @@ class GatewayMetrics:
         self.resumes = Counter(
             "poise_gateway_stream_migrations",
             "Streams continued on another backend after breaking mid-way, by result and mode "
-            "(exact: from a poise replica's token notes; approximate: from the text sent).",
+            "(exact: from the token position, on deterministic poise replicas, greedy or "
+            "seeded: the unbroken answer; position: from the token position without that "
+            "guarantee; approximate: from the text sent, on another engine).",
             ["result", "mode"],
             registry=r,
         )

@@ -122,6 +122,8 @@ async def _handle(
     gate = gw.gates[model]
     stream = record.stream = data.get("stream") is True
     can_resume = stream and resumable(data)
+    # Greedy or seeded: an answer a deterministic replica gives again, draw for draw.
+    reproducible = data.get("temperature") == 0 or data.get("seed") is not None
     if can_resume:
         headers[STREAM_TOKENS_HEADER] = "1"
     chain = [model, *gw.settings.models[model].fallback]
@@ -190,10 +192,21 @@ async def _handle(
     async def resume(position: StreamPosition, failed: Backend | None) -> Upstream:
         assert gw.forwarder is not None
         pool = gw.pools[served_by]
-        exact = position.noted and can_resume
-        # While a poise replica can take it, the exact resume; another engine only without.
-        exact_only = exact and any(b.kind == "poise" and b is not failed for b in pool.eligible())
-        position.mode = "exact" if exact_only else "approximate"  # what a failure is counted as
+        exact = position.noted and can_resume  # from the token position
+        position.deterministic &= failed is not None and failed.deterministic
+
+        def by_tokens_mode(backend: Backend | None) -> str:
+            # Token-exact only where the continuation is what the unbroken run would have
+            # given: deterministic replicas throughout, and no unseeded draw.
+            if backend is None or not backend.deterministic:
+                return "position"
+            return "exact" if position.deterministic and reproducible else "position"
+
+        # While a poise replica can take it, the resume from the token position; another
+        # engine only without.
+        takers = [b for b in pool.eligible() if b.kind == "poise" and b is not failed]
+        exact_only = exact and bool(takers)
+        position.mode = by_tokens_mode(takers[0]) if exact_only else "approximate"  # if it fails
 
         def body_for(backend: Backend) -> bytes | None:
             if exact and backend.kind == "poise":
@@ -222,7 +235,7 @@ async def _handle(
         sent = {**headers, CONTINUATION_HEADER: "1"}
         up = await gw.forwarder.send(pool, path, body_for, sent, deadline, True, affinity, journey)
         if exact and up.backend is not None and up.backend.kind == "poise":
-            position.mode = "exact"
+            position.mode = by_tokens_mode(up.backend)
         else:
             assert transcript is not None
             position.mode = "approximate"

@@ -7,8 +7,9 @@ keeps the position of what the client has received. Should the stream then break
 lost, no data for ``stream_idle_s``, an error event from a dying engine, or an end without
 ``[DONE]``), the relay asks for the rest on another backend (``resume``, which the proxy
 builds): from exactly that position on a poise replica (``poise_resume``), so that the client
-sees one uninterrupted stream with the same id and, with greedy decoding, the same text as a run
-that never broke; from the text the client has seen on any other engine (``continuation``),
+sees one uninterrupted stream with the same id and, on deterministic replicas with greedy or
+seeded sampling, the same text as a run that never broke (counted ``exact``, else
+``position``); from the text the client has seen on any other engine (``continuation``),
 marked as approximate. A stream of another engine is read through its ``Transcript`` (the text
 sent, the usage) when the pool may continue it. A stream that cannot be continued ends with an
 explicit error event and ``[DONE]``. Never a silent truncation, never text twice.
@@ -51,7 +52,13 @@ class StreamPosition:
     failed: str | None = None  # the error event the stream ended with, if it did
     # The text sent, for a stream another engine may continue; None: only poise backends.
     transcript: Transcript | None = None
-    mode: str = "exact"  # how the latest resume continued: "exact" or "approximate"
+    # How the latest resume continued: "exact" (from the token position, every backend
+    # deterministic and the request greedy or seeded: the answer an unbroken run gives),
+    # "position" (from the token position, without that guarantee) or "approximate" (from the
+    # text, on another engine).
+    mode: str = "exact"
+    # Every backend that has produced this stream's tokens runs poise's deterministic mode.
+    deterministic: bool = True
 
     def can_resume(self) -> bool:
         if self.noted:

@@ -363,7 +363,10 @@ def create_app(
         else:
             raise APIError(400, "probe must be 'generate' or absent", param="probe")
         status = "ok" if ok else "draining" if state.replica.draining else "unhealthy"
-        return JSONResponse({"status": status, "reason": why}, 200 if ok else 503)
+        # "deterministic" as /version has it: a gateway reads it with every check, so a replica
+        # restarted on the same address with the other setting is seen as it now is.
+        answer = {"status": status, "reason": why, "deterministic": settings.deterministic}
+        return JSONResponse(answer, 200 if ok else 503)
 
     @app.get("/ready")
     async def ready() -> JSONResponse:

@@ -194,7 +194,9 @@ def test_a_stream_continues_on_another_replica_when_its_replica_dies(gateway, ll
         assert text == expected["choices"][0]["text"]
         assert chunks[-1]["choices"][0]["finish_reason"] == "length"
         resumed = httpx.get(g.url + "/metrics").text
-        assert 'poise_gateway_stream_migrations_total{mode="exact",result="resumed"} 1.0' in resumed
+        # From the token position, not claimed exact: the replicas are not deterministic.
+        want = 'poise_gateway_stream_migrations_total{mode="position",result="resumed"} 1.0'
+        assert want in resumed
     finally:
         for p in pair:
             p.stop()

@@ -93,3 +93,23 @@ async def test_on_the_first_round_running_requests_are_the_benefit_of_the_doubt(
 
     async with httpx.AsyncClient(transport=httpx.MockTransport(idle)) as client:
         assert not await check_once(client, backend(), HealthSettings())
+
+
+async def test_a_poise_replicas_deterministic_mode_is_read_with_every_check():
+    """What its health answer says now: a replica restarted with the other setting on the same
+    address is seen as it is (a stream it continues is counted exact only while it says so)."""
+    said = {"deterministic": True}
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/health":
+            return httpx.Response(200, json={"status": "ok", "reason": "", **said})
+        return httpx.Response(200, text="")
+
+    b = backend("poise")
+    assert not b.deterministic  # until it says so
+    async with httpx.AsyncClient(transport=httpx.MockTransport(answer)) as client:
+        assert await check_once(client, b, HealthSettings())
+        assert b.deterministic
+        said = {}  # a replica of before the mode, or one started without it
+        assert await check_once(client, b, HealthSettings())
+        assert not b.deterministic
