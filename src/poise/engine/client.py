@@ -80,6 +80,11 @@ class EngineClient(ABC):
         return self.intake.limits.max_model_len
 
     @property
+    def deterministic(self) -> bool:
+        """The deterministic mode is on (asked for, or by default where it holds)."""
+        return self.intake.limits.deterministic
+
+    @property
     def sampling_defaults(self) -> SamplingDefaults:
         """The model's generation config defaults for request fields left unset."""
         return self.intake.limits.sampling_defaults

@@ -28,7 +28,9 @@ class EngineConfig:
     native_kernels: bool = True
     # Every request's answer the same bit for bit whatever else is in the batch, however its
     # prompt was chunked, preempted or found in the prefix cache (models/batch_invariance.py).
-    deterministic: bool = False
+    # None: on where it holds (off, logged with the reason, where it cannot); True: required
+    # (the load fails where it cannot hold); False: off.
+    deterministic: bool | None = None
     # int8: weight-only int8 linear layers with per-row scales (models/int8_linear.py).
     quantization: str | None = None
     # auto: generation_config.json's sampling settings are the defaults of requests that leave

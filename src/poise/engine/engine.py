@@ -21,14 +21,16 @@ from poise.engine.forecast import IDLE_FORECAST, SlotForecast, SlotForecaster
 from poise.engine.generation_config import load_generation_config
 from poise.engine.guided import GuidedMatchers
 from poise.engine.intake import IntakeLimits, RequestFactory, RequestOptions
-from poise.engine.kernels import load_paged_decode_attention
+from poise.engine.kernels import PagedDecodeAttention, load_paged_decode_attention
 from poise.engine.kernels.row_ops import load_row_ops
 from poise.engine.kv_cache import KVCacheManager, kv_bytes_per_token, num_blocks_for_budget
 from poise.engine.models.batch_invariance import (
+    BatchVariantError,
     check_row_invariance,
     require_native_kernels,
     stabilise_elementwise,
     stabilise_linears,
+    unstabilise,
 )
 from poise.engine.models.checkpoint import load_tokenizer, open_checkpoint
 from poise.engine.models.loader import load_model
@@ -88,14 +90,7 @@ class LLMEngine:
             self.config.quantization,
         )
         kernel = load_paged_decode_attention() if self.config.native_kernels else None
-        if self.config.deterministic:
-            row_ops = load_row_ops() if self.config.native_kernels else None
-            row_ops = require_native_kernels(self.model, kernel, row_ops)
-            stabilise_linears(self.model)
-            stabilise_elementwise(self.model, row_ops)
-            check_row_invariance(
-                self.model, next(self.model.parameters()).dtype, self.config.max_num_batched_tokens
-            )
+        self.deterministic = self._enter_deterministic_mode(kernel)
         self.tokenizer = load_tokenizer(self.checkpoint)
         mc = self.model.config
         self.max_model_len = min(self.config.max_model_len or mc.max_model_len, mc.max_model_len)
@@ -137,7 +132,7 @@ class LLMEngine:
             self.config.seed,
             kernel,
             GuidedMatchers(self.tokenizer.to_json, mc.vocab_size, self.eos_token_ids),
-            self.config.deterministic,
+            self.deterministic,
         )
         self.limits = IntakeLimits(
             self.max_model_len,
@@ -146,6 +141,7 @@ class LLMEngine:
             num_blocks,
             self.config.block_size,
             self.generation_config.defaults,
+            self.deterministic,
         )
         self.intake = RequestFactory(self.tokenizer, self.limits, clock)
         self._tracked: dict[str, _Tracked] = {}
@@ -162,6 +158,27 @@ class LLMEngine:
         self.faults: FaultInjector | None = None  # set by a front end that enables injection
 
     # ----- intake -----
+    def _enter_deterministic_mode(self, kernel: PagedDecodeAttention | None) -> bool:
+        """Whether the mode is on: as asked, or by default where it holds on this machine."""
+        wanted = self.config.deterministic
+        if wanted is False:
+            return False
+        try:
+            row_ops = load_row_ops() if self.config.native_kernels else None
+            row_ops = require_native_kernels(self.model, kernel, row_ops)
+            stabilise_linears(self.model)
+            stabilise_elementwise(self.model, row_ops)
+            dtype = next(self.model.parameters()).dtype
+            check_row_invariance(self.model, dtype, self.config.max_num_batched_tokens)
+        except BatchVariantError as exc:
+            if wanted:
+                raise
+            unstabilise(self.model)
+            log.warning("deterministic mode off (it cannot hold here): %s", exc)
+            return False
+        log.info("deterministic mode on")
+        return True
+
     def prepare_request(
         self, prompt: str | list[int], options: RequestOptions
     ) -> tuple[Request, str | None]:

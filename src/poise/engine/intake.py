@@ -30,6 +30,8 @@ class IntakeLimits:
     block_size: int
     # From the model's generation config: what front ends fill unset request fields with.
     sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
+    # The deterministic mode is on (what /version and /health tell a gateway).
+    deterministic: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -339,13 +339,15 @@ def create_app(
         check_model(replica, body.model)
         return detokenize(replica, body)
 
+    def mode() -> bool:
+        """Whether the deterministic mode is on: the engine's word once it has loaded."""
+        return state.replica is not None and state.replica.engine.deterministic
+
     @app.get("/v1/models")
     async def models() -> ModelList:
         replica = state.replica
         max_len = replica.engine.max_model_len if replica is not None else None
-        card = ModelCard(
-            id=settings.model_name, max_model_len=max_len, deterministic=settings.deterministic
-        )
+        card = ModelCard(id=settings.model_name, max_model_len=max_len, deterministic=mode())
         return ModelList(data=[card])
 
     @app.get("/health")
@@ -365,7 +367,7 @@ def create_app(
         status = "ok" if ok else "draining" if state.replica.draining else "unhealthy"
         # "deterministic" as /version has it: a gateway reads it with every check, so a replica
         # restarted on the same address with the other setting is seen as it now is.
-        answer = {"status": status, "reason": why, "deterministic": settings.deterministic}
+        answer = {"status": status, "reason": why, "deterministic": mode()}
         return JSONResponse(answer, 200 if ok else 503)
 
     @app.get("/ready")
@@ -399,7 +401,7 @@ def create_app(
             "version": __version__,
             "engine": "poise",
             "model": settings.model_name,
-            "deterministic": settings.deterministic,
+            "deterministic": mode(),
         }
 
     if settings.enable_fault_injection:

@@ -107,6 +107,19 @@ def stabilise_linears(model: nn.Module) -> list[str]:
     return [full for *_, full in targets]
 
 
+def unstabilise(model: nn.Module) -> None:
+    """Undo ``stabilise_linears`` and ``stabilise_elementwise``: the model as it was loaded."""
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, RowStableLinear):
+                setattr(parent, name, child.inner)
+    for module in model.modules():
+        if isinstance(module, MLP):
+            module.silu_and_mul = None
+        elif isinstance(module, RotaryEmbedding):
+            module.row_table = None
+
+
 def _checked_modules(model: nn.Module) -> list[tuple[str, nn.Module, tuple[str, int, int]]]:
     """One of each distinct (kind, in, out) among the stable linears and the MLPs, the MLPs
     last (a linear's own failure names it more exactly)."""
