@@ -3,7 +3,9 @@ off and on, interleaved in one run, medians of ``--repeat`` runs each, and the r
 
 Also checks what the mode is for, on the same engines: W1's first 8 requests generated alone
 give the same tokens as within the whole of W1, with the mode on (and, for the record, how many
-do without it).
+do without it). And the prefill of long prompts (``--long-prompt`` tokens, 4 at once, 16 tokens
+out, fresh prompts each run), where the mode costs most: every prompt row's attention goes
+through the decode kernel.
 
     python benchmarks/deterministic_cost.py [--dtype bfloat16] [--repeat 3]
 """
@@ -12,8 +14,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import sys
+import time
 from pathlib import Path
 
 from poise import LLM, SamplingParams
@@ -40,11 +44,34 @@ def agreement(model: Path, dtype: str, deterministic: bool, w, probes: int = 8) 
     return same
 
 
+def long_prompts(model: Path, dtype: str, tokens: int, repeat: int) -> dict[str, list[float]]:
+    """Seconds for 4 fresh prompts of ``tokens`` tokens (16 out), off and on interleaved."""
+    engines = {
+        mode: LLM(model, dtype=dtype, deterministic=mode == "on", enable_prefix_caching=False)
+        for mode in ("off", "on")
+    }
+    vocab = engines["off"].engine.model.config.vocab_size
+    rng = random.Random(0)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    seconds: dict[str, list[float]] = {"off": [], "on": []}
+    for _ in range(repeat):
+        for mode, llm in engines.items():
+            prompts = [
+                {"prompt_token_ids": [rng.randrange(4, vocab) for _ in range(tokens)]}
+                for _ in range(4)
+            ]
+            t0 = time.perf_counter()
+            llm.generate(prompts, params)
+            seconds[mode].append(time.perf_counter() - t0)
+    return seconds
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", type=Path, default=DEFAULT_MODEL)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--long-prompt", type=int, default=2000, help="tokens; 0: skip")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     if not (args.model / "config.json").exists():
@@ -75,6 +102,17 @@ def main() -> None:
             "of": 8,
         },
     }
+    if args.long_prompt:
+        long = long_prompts(args.model, args.dtype, args.long_prompt, args.repeat)
+        off_l, on_l = statistics.median(long["off"]), statistics.median(long["on"])
+        result["long_prompts"] = {
+            "prompt_tokens": args.long_prompt,
+            "seconds_off": long["off"],
+            "seconds_on": long["on"],
+            "median_off_s": round(off_l, 2),
+            "median_on_s": round(on_l, 2),
+            "slowdown": round(on_l / off_l - 1, 3),
+        }
     print(json.dumps(result, indent=2))
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))

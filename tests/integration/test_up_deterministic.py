@@ -92,7 +92,7 @@ def test_seeded_streams_around_a_replica_kill_are_the_undisturbed_answers(llama_
                 assert time.monotonic() < end, log_path.read_text()[-3000:]
                 time.sleep(0.25)
             version = httpx.get(r + "/version", timeout=5).json()
-            assert version["deterministic"] is True, version
+            assert version["deterministic"] is True and version["numerics"], version
 
         # Undisturbed: each request on each replica alone; the mode makes them one answer.
         undisturbed = []
@@ -140,21 +140,21 @@ def test_seeded_streams_around_a_replica_kill_are_the_undisturbed_answers(llama_
             proc.wait()
         log.close()
 
-    completed = 0
-    for i in range(STREAMS):
+    # Every stream that began completes, those the victim held included (continued on the
+    # survivor), and each is its undisturbed answer. (The gateway's admission may refuse a few
+    # up front, with a 429, when the survivor's predicted wait is too long.)
+    began = [i for i in range(STREAMS) if got[i] and not got[i][0].startswith("http ")]
+    assert len(began) >= STREAMS // 2, [got[i][:1] for i in range(STREAMS)]
+    for i in began:
         events = got[i]
-        assert events, f"stream {i} received nothing"
-        if events[-1] != "[DONE]" or any('"error"' in e for e in events):
-            # Not completed: then it says so, explicitly (a refusal or an error event).
-            assert events[-1] == "[DONE]" or events[-1].startswith("http "), events[-3:]
-            continue
+        assert events[-1] == "[DONE]", f"stream {i} did not complete: {events[-3:]}"
+        assert not any('"error"' in e for e in events), f"stream {i}: {events[-3:]}"
         chunks = [json.loads(e) for e in events[:-1]]
         text = "".join(c["choices"][0]["text"] for c in chunks)
         assert text == undisturbed[i], f"stream {i} differs from its undisturbed answer"
-        completed += 1
     resumed = re.search(
         r'poise_gateway_stream_migrations_total\{mode="exact",result="resumed"\} (\S+)', metrics
     )
-    assert resumed and float(resumed.group(1)) >= 1, "no stream was continued exactly"
+    # As many continued exactly as the victim held (some may have ended just before the kill).
+    assert resumed and 1 <= float(resumed.group(1)) <= running, metrics
     assert 'mode="position"' not in metrics and 'mode="approximate"' not in metrics
-    assert completed >= STREAMS // 2, f"only {completed} of {STREAMS} streams completed"

@@ -81,8 +81,13 @@ class EngineClient(ABC):
 
     @property
     def deterministic(self) -> bool:
-        """The deterministic mode is on (asked for, or by default where it holds)."""
+        """The deterministic mode is on."""
         return self.intake.limits.deterministic
+
+    @property
+    def numerics(self) -> str:
+        """In the deterministic mode, what fixes its answers' bits (``LLMEngine._numerics``)."""
+        return self.intake.limits.numerics
 
     @property
     def sampling_defaults(self) -> SamplingDefaults:

@@ -28,9 +28,10 @@ class EngineConfig:
     native_kernels: bool = True
     # Every request's answer the same bit for bit whatever else is in the batch, however its
     # prompt was chunked, preempted or found in the prefix cache (models/batch_invariance.py).
-    # None: on where it holds (off, logged with the reason, where it cannot); True: required
-    # (the load fails where it cannot hold); False: off.
-    deterministic: bool | None = None
+    # Off by default: its W1 cost is small, but prompts of thousands of tokens prefill about
+    # twice as slowly (their attention goes row by row through the decode kernel). On, the load
+    # fails, saying why, where it cannot hold.
+    deterministic: bool = False
     # int8: weight-only int8 linear layers with per-row scales (models/int8_linear.py).
     quantization: str | None = None
     # auto: generation_config.json's sampling settings are the defaults of requests that leave

@@ -8,11 +8,15 @@ the engine itself goes on.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import torch
 
 from poise.engine.config import EngineConfig
 from poise.engine.errors import InvalidRequestError
@@ -21,16 +25,18 @@ from poise.engine.forecast import IDLE_FORECAST, SlotForecast, SlotForecaster
 from poise.engine.generation_config import load_generation_config
 from poise.engine.guided import GuidedMatchers
 from poise.engine.intake import IntakeLimits, RequestFactory, RequestOptions
-from poise.engine.kernels import PagedDecodeAttention, load_paged_decode_attention
+from poise.engine.kernels import (
+    PagedDecodeAttention,
+    build_identity,
+    load_paged_decode_attention,
+)
 from poise.engine.kernels.row_ops import load_row_ops
 from poise.engine.kv_cache import KVCacheManager, kv_bytes_per_token, num_blocks_for_budget
 from poise.engine.models.batch_invariance import (
-    BatchVariantError,
     check_row_invariance,
     require_native_kernels,
     stabilise_elementwise,
     stabilise_linears,
-    unstabilise,
 )
 from poise.engine.models.checkpoint import load_tokenizer, open_checkpoint
 from poise.engine.models.loader import load_model
@@ -142,6 +148,7 @@ class LLMEngine:
             self.config.block_size,
             self.generation_config.defaults,
             self.deterministic,
+            self._numerics() if self.deterministic else "",
         )
         self.intake = RequestFactory(self.tokenizer, self.limits, clock)
         self._tracked: dict[str, _Tracked] = {}
@@ -157,25 +164,34 @@ class LLMEngine:
         self.forecast: SlotForecast = IDLE_FORECAST
         self.faults: FaultInjector | None = None  # set by a front end that enables injection
 
+    def _numerics(self) -> str:
+        """A fingerprint of what decides a deterministic answer's bits: the weights' files, the
+        dtype and quantization, torch and its threads, and the native kernels' build (their
+        source, flags and CPU). Two replicas continue each other's streams exactly only when
+        theirs agree."""
+        digest = hashlib.sha256()
+        files = sorted(p for p in self.checkpoint.model_dir.iterdir() if p.is_file())
+        for path in files:
+            if path.suffix in (".safetensors", ".bin", ".gguf", ".json"):
+                digest.update(f"{path.name}:{path.stat().st_size}\0".encode())
+        digest.update(json.dumps(self.checkpoint.raw_config, sort_keys=True).encode())
+        param = next(self.model.parameters())
+        parts = (param.dtype, self.config.quantization, torch.__version__, build_identity())
+        digest.update(repr((*parts, torch.get_num_threads())).encode())
+        return digest.hexdigest()[:16]
+
     # ----- intake -----
     def _enter_deterministic_mode(self, kernel: PagedDecodeAttention | None) -> bool:
-        """Whether the mode is on: as asked, or by default where it holds on this machine."""
-        wanted = self.config.deterministic
-        if wanted is False:
+        """Whether the mode is on; asked for where it cannot hold, ``BatchVariantError``."""
+        if not self.config.deterministic:
             return False
-        try:
-            row_ops = load_row_ops() if self.config.native_kernels else None
-            row_ops = require_native_kernels(self.model, kernel, row_ops)
-            stabilise_linears(self.model)
-            stabilise_elementwise(self.model, row_ops)
-            dtype = next(self.model.parameters()).dtype
-            check_row_invariance(self.model, dtype, self.config.max_num_batched_tokens)
-        except BatchVariantError as exc:
-            if wanted:
-                raise
-            unstabilise(self.model)
-            log.warning("deterministic mode off (it cannot hold here): %s", exc)
-            return False
+        row_ops = load_row_ops() if self.config.native_kernels else None
+        row_ops = require_native_kernels(self.model, kernel, row_ops)
+        stabilise_linears(self.model)
+        stabilise_elementwise(self.model, row_ops)
+        dtype = next(self.model.parameters()).dtype
+        c = self.config
+        check_row_invariance(self.model, dtype, c.max_num_batched_tokens, c.max_num_seqs)
         log.info("deterministic mode on")
         return True
 

@@ -30,8 +30,10 @@ class IntakeLimits:
     block_size: int
     # From the model's generation config: what front ends fill unset request fields with.
     sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
-    # The deterministic mode is on (what /version and /health tell a gateway).
+    # The deterministic mode is on (what /version and /health tell a gateway), and what fixes
+    # its arithmetic: engines with the same fingerprint give a request the same bits.
     deterministic: bool = False
+    numerics: str = ""
 
 
 @dataclass(frozen=True, slots=True)

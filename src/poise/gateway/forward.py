@@ -61,6 +61,10 @@ log = logging.getLogger("poise.gateway")
 BodyFor = Callable[[Backend], bytes | None]
 
 RETRYABLE_STATUS = frozenset({429, 500, 502, 503, 504})
+# A poise replica's error codes for "not serving now" (draining after SIGTERM, loading): its
+# health checks take it out; they are not the error answers that draw attempts to it
+# (``Pool._rather``).
+NOT_SERVING_CODES = frozenset({"draining", "loading"})
 FAILURE_STATUS = frozenset({500, 502, 503, 504})  # what counts against a backend's health
 
 
@@ -309,12 +313,16 @@ class Forwarder:
                         # honours the deadline header and says so): the request's 504.
                         outcome.done("deadline")
                         raise APIError(504, f"{backend.url}: {error_message(data)}", code="timeout")
+                    # A replica that says it is draining or still loading is not answering
+                    # with errors: routing must not send it more to find out.
+                    answered = error_code(data) not in NOT_SERVING_CODES
                     if status in RETRYABLE_STATUS and call.idempotent:
-                        outcome.done("overloaded" if status == 429 else "error", answered=True)
+                        verdict = "overloaded" if status == 429 else "error"
+                        outcome.done(verdict, answered=answered)
                         journey.last_error = f"{status} from {backend.url}: {error_message(data)}"
                         return None, retry_after_s(response)
                     verdict = "overloaded" if status == 429 else "ok" if status < 500 else "error"
-                    outcome.done(verdict, output_tokens(data), answered=True)
+                    outcome.done(verdict, output_tokens(data), answered=answered)
                     return Upstream(status, passed_headers(response), data, backend=backend), None
                 chunks = response.content.iter_any()
                 first = await anext(chunks, b"")

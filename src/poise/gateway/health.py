@@ -129,7 +129,7 @@ async def _probe(
         return False, True
     backend.draining = r.status_code != 200 and _says_draining(r)
     if kind.probe == "poise" and r.is_success:
-        backend.deterministic = _says_deterministic(r)
+        backend.numerics = _deterministic_numerics(r)
     # A refusal for load is an answer from a live engine: routing weighs its load.
     return r.is_success or (r.status_code == 429 and kind.probe != "poise"), False
 
@@ -167,13 +167,17 @@ def _busy(before: float | None, report: LoadReport) -> bool:
     return report.processed - before > PROBE_TOKENS
 
 
-def _says_deterministic(response: httpx.Response) -> bool:
-    """A poise replica's health answer says whether its deterministic mode is on."""
+def _deterministic_numerics(response: httpx.Response) -> str | None:
+    """A poise replica in its deterministic mode says so in its health answer, with the
+    fingerprint of its arithmetic; None for any other answer."""
     try:
         body = response.json()
     except ValueError:
-        return False
-    return isinstance(body, dict) and body.get("deterministic") is True
+        return None
+    if not isinstance(body, dict) or body.get("deterministic") is not True:
+        return None
+    numerics = body.get("numerics")
+    return numerics if isinstance(numerics, str) and numerics else None
 
 
 def _says_draining(response: httpx.Response) -> bool:

@@ -72,9 +72,10 @@ class Backend:
     load: ReportedLoad = field(default_factory=ReportedLoad)
     source: str | None = None  # the DNS name it was discovered from; None: listed
     kind: Kind | None = None  # its engine, as configured or detected; None: not known yet
-    # A poise replica in its deterministic mode (its health answer says so): a stream it
-    # continues goes on as it would have without the break.
-    deterministic: bool = False
+    # A poise replica in its deterministic mode, and the fingerprint of its arithmetic (its
+    # health answer says both; None: not deterministic): a stream it continues goes on as it
+    # would have without the break if it came from a replica of the same fingerprint.
+    numerics: str | None = None
     retired: bool = False  # no longer discovered: out of routing, gone once idle
     # Its health answer says it is draining (a poise replica after SIGTERM): down for new
     # work, but what it holds finishes there and is not cut off.

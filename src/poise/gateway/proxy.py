@@ -54,7 +54,7 @@ from poise.gateway.request_body import (
     resumable,
 )
 from poise.gateway.response_cache import cache_key
-from poise.gateway.stream import StreamPosition, relay
+from poise.gateway.stream import StreamPosition, relay, resumed_mode
 from poise.gateway.upstream import Upstream
 from poise.observability import tracing as tr
 from poise.protocol import (
@@ -193,20 +193,15 @@ async def _handle(
         assert gw.forwarder is not None
         pool = gw.pools[served_by]
         exact = position.noted and can_resume  # from the token position
-        position.deterministic &= failed is not None and failed.deterministic
-
-        def by_tokens_mode(backend: Backend | None) -> str:
-            # Token-exact only where the continuation is what the unbroken run would have
-            # given: deterministic replicas throughout, and no unseeded draw.
-            if backend is None or not backend.deterministic:
-                return "position"
-            return "exact" if position.deterministic and reproducible else "position"
+        position.produced_by(failed)
 
         # While a poise replica can take it, the resume from the token position; another
         # engine only without.
         takers = [b for b in pool.eligible() if b.kind == "poise" and b is not failed]
         exact_only = exact and bool(takers)
-        position.mode = by_tokens_mode(takers[0]) if exact_only else "approximate"  # if it fails
+        # What a failure is counted as.
+        mode = resumed_mode(reproducible, position.numerics, takers[0]) if exact_only else None
+        position.mode = mode or "approximate"
 
         def body_for(backend: Backend) -> bytes | None:
             if exact and backend.kind == "poise":
@@ -235,7 +230,7 @@ async def _handle(
         sent = {**headers, CONTINUATION_HEADER: "1"}
         up = await gw.forwarder.send(pool, path, body_for, sent, deadline, True, affinity, journey)
         if exact and up.backend is not None and up.backend.kind == "poise":
-            position.mode = by_tokens_mode(up.backend)
+            position.mode = resumed_mode(reproducible, position.numerics, up.backend)
         else:
             assert transcript is not None
             position.mode = "approximate"

@@ -52,19 +52,37 @@ class StreamPosition:
     failed: str | None = None  # the error event the stream ended with, if it did
     # The text sent, for a stream another engine may continue; None: only poise backends.
     transcript: Transcript | None = None
-    # How the latest resume continued: "exact" (from the token position, every backend
-    # deterministic and the request greedy or seeded: the answer an unbroken run gives),
+    # How the latest resume continued: "exact" (from the token position, on deterministic
+    # replicas of one arithmetic, greedy or seeded: the answer an unbroken run gives),
     # "position" (from the token position, without that guarantee) or "approximate" (from the
     # text, on another engine).
     mode: str = "exact"
-    # Every backend that has produced this stream's tokens runs poise's deterministic mode.
-    deterministic: bool = True
+    # The numerics fingerprint every backend that produced this stream's tokens shares (their
+    # deterministic mode's, ``Backend.numerics``); None: none, or not one.
+    numerics: str | None = None
 
     def can_resume(self) -> bool:
         if self.noted:
             return True
         t = self.transcript
         return t is not None and (t.continuable or not t.sent_any)
+
+    def produced_by(self, backend: Backend | None) -> None:
+        """``backend`` produced the tokens up to the break being resumed (the ``resumes``-th)."""
+        numerics = backend.numerics if backend is not None else None
+        if self.resumes <= 1:  # the first backend: its fingerprint
+            self.numerics = numerics
+        elif numerics != self.numerics:  # another arithmetic took part: none is shared
+            self.numerics = None
+
+
+def resumed_mode(reproducible: bool, produced: str | None, taker: Backend | None) -> str:
+    """How a continuation from the token position counts: "exact" only where it gives the
+    bits an unbroken run would have, that is a greedy or seeded request (``reproducible``)
+    continued on a deterministic replica of the same arithmetic as every one that produced
+    it (``produced``: their shared fingerprint); else "position"."""
+    same = taker is not None and taker.numerics is not None and taker.numerics == produced
+    return "exact" if reproducible and same else "position"
 
 
 Resume = Callable[[StreamPosition, Backend | None], Awaitable[Upstream]]

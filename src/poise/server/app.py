@@ -343,6 +343,13 @@ def create_app(
         """Whether the deterministic mode is on: the engine's word once it has loaded."""
         return state.replica is not None and state.replica.engine.deterministic
 
+    def numerics() -> dict[str, str]:
+        """With the mode on, the fingerprint of what fixes the answers' bits: a gateway counts
+        a stream continued here as exact only from a replica with the same."""
+        if state.replica is None or not state.replica.engine.deterministic:
+            return {}
+        return {"numerics": state.replica.engine.numerics}
+
     @app.get("/v1/models")
     async def models() -> ModelList:
         replica = state.replica
@@ -367,7 +374,7 @@ def create_app(
         status = "ok" if ok else "draining" if state.replica.draining else "unhealthy"
         # "deterministic" as /version has it: a gateway reads it with every check, so a replica
         # restarted on the same address with the other setting is seen as it now is.
-        answer = {"status": status, "reason": why, "deterministic": mode()}
+        answer = {"status": status, "reason": why, "deterministic": mode(), **numerics()}
         return JSONResponse(answer, 200 if ok else 503)
 
     @app.get("/ready")
@@ -402,6 +409,7 @@ def create_app(
             "engine": "poise",
             "model": settings.model_name,
             "deterministic": mode(),
+            **numerics(),
         }
 
     if settings.enable_fault_injection:

@@ -105,8 +105,8 @@ def test_a_streamed_tool_call_survives_its_replicas_kill_9(gateway, llama_dir, t
         assert calls[0].function.arguments == expected.function.arguments
         jsonschema.validate(json.loads(calls[0].function.arguments), ADD)
         metrics = httpx.get(g.url + "/metrics").text
-        # Greedy on replicas in the deterministic mode (their default): counted exact.
-        want = 'poise_gateway_stream_migrations_total{mode="exact",result="resumed"} 1.0'
+        # From the token position, not claimed exact: the replicas are not deterministic.
+        want = 'poise_gateway_stream_migrations_total{mode="position",result="resumed"} 1.0'
         assert want in metrics
     finally:
         for p in pair:

@@ -333,6 +333,24 @@ async def test_a_backend_answering_500_to_everything_is_ejected_under_the_defaul
     assert calls.count("bad") == 5 and calls[:10] == ["bad", "good"] * 5
 
 
+async def test_a_replica_saying_it_drains_draws_no_attempts_to_itself(backends):
+    """A 503 that says "draining" (or "loading") is a replica not serving now, not one
+    answering with errors: it is not preferred to hasten an ejection."""
+    calls: list[str] = []
+
+    async def draining(request: web.Request) -> web.Response:
+        body = {"error": {"message": "the server is draining", "code": "draining"}}
+        return web.json_response(body, status=503)
+
+    pool, fwd = await backends(counted(calls, "draining", draining), counted(calls, "good", answer))
+    fwd.policy = RetryPolicy(max_retries=2, base_s=0.0, cap_s=0.0)
+    leaving, good = pool.backends
+    for _ in range(6):
+        up = await send(pool, fwd)
+        assert up.status == 200 and up.backend is good
+        assert leaving.error_answers == 0
+
+
 async def test_a_stream_from_another_engine_that_ends_without_done_ends_with_an_error(backends):
     async def cut_short(request: web.Request) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"content-type": "text/event-stream"})

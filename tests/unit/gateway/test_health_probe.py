@@ -98,7 +98,7 @@ async def test_on_the_first_round_running_requests_are_the_benefit_of_the_doubt(
 async def test_a_poise_replicas_deterministic_mode_is_read_with_every_check():
     """What its health answer says now: a replica restarted with the other setting on the same
     address is seen as it is (a stream it continues is counted exact only while it says so)."""
-    said = {"deterministic": True}
+    said: dict[str, object] = {"deterministic": True, "numerics": "f1"}
 
     def answer(request: httpx.Request) -> httpx.Response:
         if request.url.path == "/health":
@@ -106,10 +106,16 @@ async def test_a_poise_replicas_deterministic_mode_is_read_with_every_check():
         return httpx.Response(200, text="")
 
     b = backend("poise")
-    assert not b.deterministic  # until it says so
+    assert b.numerics is None  # until it says so
     async with httpx.AsyncClient(transport=httpx.MockTransport(answer)) as client:
         assert await check_once(client, b, HealthSettings())
-        assert b.deterministic
+        assert b.numerics == "f1"
+        said = {"deterministic": True}  # no fingerprint: nothing to match a stream against
+        assert await check_once(client, b, HealthSettings())
+        assert b.numerics is None
+        said = {"deterministic": True, "numerics": "f2"}  # restarted on another build
+        assert await check_once(client, b, HealthSettings())
+        assert b.numerics == "f2"
         said = {}  # a replica of before the mode, or one started without it
         assert await check_once(client, b, HealthSettings())
-        assert not b.deterministic
+        assert b.numerics is None

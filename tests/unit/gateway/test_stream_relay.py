@@ -8,10 +8,13 @@ import json
 import httpx
 import pytest
 
+from poise.gateway.config import BackendSettings
 from poise.gateway.continuation import RESUMED_COMMENT, Transcript
-from poise.gateway.stream import StreamPosition, relay
+from poise.gateway.pool import Backend
+from poise.gateway.stream import StreamPosition, relay, resumed_mode
 from poise.gateway.upstream import Upstream
 from poise.protocol import APIError, token_note
+from poise.resilience.breaker import BreakerConfig, CircuitBreaker
 
 
 class FakeOutcome:
@@ -272,3 +275,37 @@ async def test_a_stream_that_broke_before_any_answer_is_asked_again():
     assert calls == [False]
     chunks = contents(raw)
     assert [c["choices"][0]["delta"].get("content") for c in chunks] == ["", "hi"]
+
+
+def test_a_resume_counts_as_exact_only_between_replicas_of_one_arithmetic():
+    """Greedy or seeded, every producer and the taker deterministic with one fingerprint:
+    exact. Anything else continues from the token position without that claim."""
+
+    def replica(numerics: str | None) -> Backend:
+        breaker = CircuitBreaker(BreakerConfig(), lambda: 0.0)
+        b = Backend("m", BackendSettings.model_validate({"url": "http://r"}), breaker)
+        b.numerics = numerics
+        return b
+
+    a, a2, other, plain = replica("f1"), replica("f1"), replica("f2"), replica(None)
+    position = StreamPosition()
+    position.resumes = 1
+    position.produced_by(a)
+    assert resumed_mode(True, position.numerics, a2) == "exact"
+    assert resumed_mode(False, position.numerics, a2) == "position"  # an unseeded draw
+    assert resumed_mode(True, position.numerics, other) == "position"  # another build
+    assert resumed_mode(True, position.numerics, plain) == "position"
+    assert resumed_mode(True, position.numerics, None) == "position"
+    position.resumes = 2
+    position.produced_by(a2)  # the taker broke in turn: the same arithmetic throughout
+    assert resumed_mode(True, position.numerics, a) == "exact"
+    position.resumes = 3
+    position.produced_by(other)  # a producer of another arithmetic: never exact again
+    assert resumed_mode(True, position.numerics, a) == "position"
+    fresh = StreamPosition()
+    fresh.resumes = 1
+    fresh.produced_by(None)  # the first producer is not known
+    assert resumed_mode(True, fresh.numerics, a) == "position"
+    fresh.resumes = 1
+    fresh.produced_by(plain)  # not deterministic
+    assert resumed_mode(True, fresh.numerics, plain) == "position"

@@ -12,8 +12,8 @@ one that built it: the cache key covers the source, the compiler flags and this 
 (its architecture, model and instruction-set flags), so a cache directory shared by machines
 with different CPUs holds one build per kind of CPU. Before it is trusted, each build is run
 once in a child process: an instruction the CPU lacks then kills the child, not the engine.
-When it cannot be built, loaded or run, poise logs why (once) and uses the PyTorch path:
-nothing depends on it.
+When it cannot be built, loaded or run, poise logs why (once) and uses the PyTorch path;
+only the deterministic mode needs the kernels, and refuses to start without them.
 """
 
 from __future__ import annotations
@@ -164,6 +164,11 @@ def _source_bytes() -> bytes:
     return b"\0".join(path.read_bytes() for path in (*_SOURCES, *_HEADERS))
 
 
+def build_identity() -> str:
+    """What this machine's build of the kernels is: its source, flags and CPU (the cache key)."""
+    return kernel_key(_source_bytes(), cpu_identity())
+
+
 def build_path(cache_dir: Path) -> Path:
     """Where this CPU's build of the kernels lives in ``cache_dir``."""
     return cache_dir / f"poise-kernels-{kernel_key(_source_bytes(), cpu_identity())}.so"
@@ -218,6 +223,14 @@ for name, (ctype, one, want, tol) in {
     gate_up, out = (ctype * 40)(*[one] * 40), (ctype * 20)()
     if fn(gate_up, out, 1, 20, 1) != 0 or any(abs(x - want) > tol for x in out):
         sys.exit("silu_and_mul_" + name + " gave a wrong answer")
+# Position 0 at any frequency: cos 1, sin 0.
+fn = lib.rope_table
+fn.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_float]
+fn.argtypes += [ctypes.c_void_p] * 2 + [ctypes.c_int]
+pos, inv = (ctypes.c_int64 * 1)(0), (ctypes.c_float * 4)(1.0, 0.5, 0.25, 0.125)
+cos, sin = (ctypes.c_float * 8)(), (ctypes.c_float * 8)()
+if fn(pos, inv, 1, 4, 1.0, cos, sin, 1) != 0 or list(cos) != [1.0] * 8 or list(sin) != [0.0] * 8:
+    sys.exit("rope_table gave a wrong answer")
 """
 
 

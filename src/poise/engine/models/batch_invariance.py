@@ -72,14 +72,25 @@ def require_native_kernels(
     param = next(model.parameters())
     c = model.config  # type: ignore[attr-defined]
     group = c.num_heads // c.num_kv_heads
-    fits = attention is not None and attention.supports(
-        param.dtype, param.device, group, c.head_dim
-    )
-    if not fits or row_ops is None or not row_ops.supports(param.dtype, param.device):
+    dtype = str(param.dtype).removeprefix("torch.")
+    why = None
+    if attention is None or row_ops is None:
+        why = (
+            "poise's native kernels are off or could not be built here (native_kernels on, "
+            "a C compiler with OpenMP)"
+        )
+    elif param.device.type != "cpu":
+        why = f"its kernels run on the CPU only, not on {param.device}"
+    elif not row_ops.supports(param.dtype, param.device):
+        why = f"its kernels run float32 and bfloat16, not {dtype}"
+    elif not attention.supports(param.dtype, param.device, group, c.head_dim):
+        why = (
+            f"the native attention kernel takes at most 16 query heads per KV head ({group} "
+            f"here) and head_dim at most 256 ({c.head_dim} here)"
+        )
+    if why is not None:
         raise BatchVariantError(
-            "deterministic mode needs poise's native attention kernel and element-wise "
-            "kernels: native_kernels on, a C compiler with OpenMP, float32 or bfloat16 on the "
-            "CPU, at most 16 query heads per KV head and head_dim at most 256"
+            f"deterministic mode needs poise's native attention and element-wise kernels: {why}"
         )
     return row_ops
 
@@ -107,19 +118,6 @@ def stabilise_linears(model: nn.Module) -> list[str]:
     return [full for *_, full in targets]
 
 
-def unstabilise(model: nn.Module) -> None:
-    """Undo ``stabilise_linears`` and ``stabilise_elementwise``: the model as it was loaded."""
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, RowStableLinear):
-                setattr(parent, name, child.inner)
-    for module in model.modules():
-        if isinstance(module, MLP):
-            module.silu_and_mul = None
-        elif isinstance(module, RotaryEmbedding):
-            module.row_table = None
-
-
 def _checked_modules(model: nn.Module) -> list[tuple[str, nn.Module, tuple[str, int, int]]]:
     """One of each distinct (kind, in, out) among the stable linears and the MLPs, the MLPs
     last (a linear's own failure names it more exactly)."""
@@ -139,21 +137,25 @@ def _checked_modules(model: nn.Module) -> list[tuple[str, nn.Module, tuple[str, 
     return linears + mlps
 
 
-def check_row_invariance(model: nn.Module, dtype: torch.dtype, max_rows: int) -> None:
+def check_row_invariance(
+    model: nn.Module, dtype: torch.dtype, max_rows: int, max_head_rows: int | None = None
+) -> None:
     """Raise ``BatchVariantError`` naming the first layer (one per kind and shape) whose row
-    results change with the row count, up to ``max_rows``; ``dtype``: the activations'."""
+    results change with the row count, up to ``max_rows`` (the step's token budget; for the
+    LM head, which sees one row per sequence, ``max_head_rows``); ``dtype``: the activations'."""
     gen = torch.Generator().manual_seed(0)
-    counts = sorted({MIN_ROWS, max_rows, *(n for n in CHECKED_ROWS if n <= max_rows)})
-    total = counts[-1]
     for name, layer, key in _checked_modules(model):
+        limit = min(max_rows, max_head_rows or max_rows) if name == "lm_head" else max_rows
+        counts = sorted({MIN_ROWS, limit, *(n for n in CHECKED_ROWS if n <= limit)})
+        total = counts[-1]
         device = next(layer.parameters(), torch.empty(0)).device
         x = torch.randn(total, key[1], generator=gen).to(device, dtype)
         with torch.inference_mode():
             whole = layer(x)
             # Each size at the head and the tail of the batch, and a lone row, as a decode
             # step alone computes it, against the same rows computed all together.
-            trials = [(start, n) for n in counts for start in (0, total - n)] + [(0, 1)]
-            for start, n in trials:
+            trials = sorted({(start, n) for n in counts[:-1] for start in (0, total - n)})
+            for start, n in [*trials, (0, 1)]:
                 if not torch.equal(layer(x[start : start + n].clone()), whole[start : start + n]):
                     raise BatchVariantError(
                         f"deterministic mode: layer {name} ({key[0]}, {key[1]} -> {key[2]}, "
