@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -73,8 +74,13 @@ def test_queue_bound_refuses_with_retry_after_while_admitted_complete(start_serv
     for r in refused:
         assert int(r.headers["retry-after"]) >= 1
         assert r.json()["error"]["type"] == "rate_limit_error"
-    rejected = 'poise_requests_rejected_total{model_name="m",reason="queue_full"}'
-    assert server.metric(rejected) == len(refused)
+    # Each refusal counted under the reason it gave: mostly the queue bound, and on a slow
+    # moment the predicted wait may refuse first (the same 429, another reason).
+    reasons = Counter(r.json()["error"]["code"] for r in refused)
+    assert reasons["queue_full"] >= 1, reasons
+    for reason, count in reasons.items():
+        rejected = f'poise_requests_rejected_total{{model_name="m",reason="{reason}"}}'
+        assert server.metric(rejected) == count, reasons
 
 
 def test_deadline_expiry_is_504_and_frees_blocks(start_server):

@@ -45,6 +45,35 @@ def test_kernel_matches_reference(dtype, tol, heads, kv_heads, head_dim):
     assert torch.allclose(got.double(), want, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("heads", "kv_heads"), [(8, 4), (4, 4), (16, 1)])
+def test_a_prompts_rows_read_together_give_each_row_its_result_alone(dtype, heads, kv_heads):
+    """A prompt chunk's rows (one sequence's consecutive positions) share their K/V reads in
+    one task; each row's result is still, bit for bit, what the row alone gets (the
+    deterministic mode's promise), and the attention the reference computes."""
+    kernel = load_paged_decode_attention()
+    assert kernel is not None
+    gen = torch.Generator().manual_seed(heads)
+    head_dim, block_size, num_blocks = 64, 16, 64
+    k_cache = torch.randn(kv_heads, num_blocks * block_size, head_dim, generator=gen).to(dtype)
+    v_cache = torch.randn(kv_heads, num_blocks * block_size, head_dim, generator=gen).to(dtype)
+    table_a = torch.randperm(num_blocks, generator=gen)[:20]
+    table_b = torch.randperm(num_blocks, generator=gen)[:20]
+    # A decode row of b, 37 prompt rows of a (positions 100..136), a decode row of b again.
+    ctx = torch.tensor([50, *range(101, 138), 51])
+    tables = torch.stack([table_b, *[table_a] * 37, table_b])
+    q = torch.randn(len(ctx), heads, head_dim, generator=gen).to(dtype)
+    scale = head_dim**-0.5
+    together = kernel(q, k_cache, v_cache, tables, ctx, block_size, scale)
+    for i in range(len(ctx)):
+        alone = kernel(q[i : i + 1], k_cache, v_cache, tables[i : i + 1], ctx[i : i + 1],
+                       block_size, scale)  # fmt: skip
+        assert torch.equal(alone, together[i : i + 1]), i
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    want = reference(q, k_cache, v_cache, tables, ctx, block_size, scale)
+    assert torch.allclose(together.double(), want, atol=tol, rtol=tol)
+
+
 def test_no_compiler_falls_back_to_pytorch(tmp_path, monkeypatch, caplog):
     monkeypatch.setattr(kernels.shutil, "which", lambda name: None)
     with caplog.at_level(logging.WARNING, logger="poise.engine.kernels"):
