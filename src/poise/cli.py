@@ -129,7 +129,7 @@ def _add_serve_flags(p: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         default=None,
         help="every answer the same bit for bit whatever else is in the batch (off by default: "
-        "long prompts prefill about twice as slowly; the load fails where it cannot hold)",
+        "a long prompt alone prefills about 1.5x as slowly; the load fails where it cannot hold)",
     )
     p.add_argument(
         "--generation-config",

@@ -49,7 +49,7 @@ class ServerSettings(BaseModel):
     native_kernels: bool = True
     # Every answer the same bit for bit whatever else is in the batch (batch-invariant linear
     # layers, activation and attention; engine/models/batch_invariance.py); the load fails,
-    # saying why, where it cannot hold. Off by default (long prompts prefill about twice as slowly).
+    # saying why, where it cannot hold. Off by default (a long prompt prefills ~1.5x as slowly).
     deterministic: bool = False
     # int8: weight-only int8 linear layers, one scale per output channel (vLLM's flag).
     quantization: Literal["int8"] | None = None

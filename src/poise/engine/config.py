@@ -28,9 +28,9 @@ class EngineConfig:
     native_kernels: bool = True
     # Every request's answer the same bit for bit whatever else is in the batch, however its
     # prompt was chunked, preempted or found in the prefix cache (models/batch_invariance.py).
-    # Off by default: its W1 cost is small, but prompts of thousands of tokens prefill about
-    # twice as slowly (their attention goes row by row through the decode kernel). On, the load
-    # fails, saying why, where it cannot hold.
+    # Off by default: its W1 cost is within noise, but a prompt of thousands of tokens alone
+    # prefills about 1.5x as slowly (its attention goes through the decode kernel's order). On,
+    # the load fails, saying why, where it cannot hold.
     deterministic: bool = False
     # int8: weight-only int8 linear layers with per-row scales (models/int8_linear.py).
     quantization: str | None = None
