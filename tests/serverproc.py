@@ -112,3 +112,14 @@ def engine_core_pid(server_pid: int) -> int | None:
         if b"spawn_main" in cmdline:
             return int(child)
     return None
+
+
+def stop_session(proc: subprocess.Popen[bytes], timeout: float = 60.0) -> None:
+    """Stop a process started in its own session (``poise up`` and all it started): SIGINT to
+    the group, as Ctrl-C would, then SIGKILL if it has not ended within ``timeout``."""
+    os.killpg(proc.pid, signal.SIGINT)
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()

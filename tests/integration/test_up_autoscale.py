@@ -4,8 +4,6 @@ answered, none sent to the draining replica."""
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 import sys
 import threading
@@ -16,6 +14,7 @@ import pytest
 import yaml
 
 from poise.launcher import free_port
+from serverproc import stop_session
 
 pytestmark = pytest.mark.slow
 
@@ -140,12 +139,7 @@ def test_poise_up_autoscale_adds_a_replica_then_drains_it_under_load_and_fails_n
             during = light.end()
             outcomes += during
     finally:
-        os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        stop_session(proc)
         log.close()
     out = log_path.read_text()
     failed = [o for o in outcomes if o != "200"]

@@ -19,6 +19,7 @@ import httpx
 import pytest
 
 from poise.launcher import free_port
+from serverproc import stop_session
 
 pytestmark = pytest.mark.slow
 
@@ -132,12 +133,7 @@ def test_seeded_streams_around_a_replica_kill_are_the_undisturbed_answers(llama_
             t.join(120)
         metrics = httpx.get(url + "/metrics", timeout=5).text
     finally:
-        os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        stop_session(proc)
         log.close()
 
     # Every stream that began completes, those the victim held included (continued on the
