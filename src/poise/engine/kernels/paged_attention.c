@@ -1,9 +1,10 @@
 /* Decode attention straight from the paged KV cache, for the CPU.
  *
- * One query token per sequence attends to its context, read block by block through its
- * block table: each K and V row is read once from the pool, with no gathered copy. Work is
- * split over (sequence, KV head) pairs; the query heads of one KV head (grouped-query
- * attention) share each K/V row they read. Scores are kept in float32, softmax is exact (two
+ * Each query row attends to its context, read block by block through its block table: each
+ * K and V row is read once from the pool, with no gathered copy. Work is split over (run of
+ * rows, KV head) pairs, a run being one decode row or a prompt chunk's consecutive rows of one
+ * sequence (the deterministic mode sends prompts here); the query heads of one KV head
+ * (grouped-query attention) and the rows of a run share each K/V row they read. Scores are kept in float32, softmax is exact (two
  * passes over the scores), and the weighted sum of V accumulates in float32.
  *
  * The context is positions [start, len): start is 0 but under a sliding window, where the blocks
