@@ -32,6 +32,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
+from typing import Any
 
 import httpx
 
@@ -127,9 +128,11 @@ async def _probe(
     except httpx.TimeoutException:
         backend.draining = False
         return False, True
-    backend.draining = r.status_code != 200 and _says_draining(r)
+    body = _json_object(r)
+    # A poise replica that took SIGTERM answers {"status": "draining"}.
+    backend.draining = r.status_code != 200 and body.get("status") == "draining"
     if kind.probe == "poise" and r.is_success:
-        backend.numerics = _deterministic_numerics(r)
+        backend.numerics = _deterministic_numerics(body)
     # A refusal for load is an answer from a live engine: routing weighs its load.
     return r.is_success or (r.status_code == 429 and kind.probe != "poise"), False
 
@@ -167,26 +170,22 @@ def _busy(before: float | None, report: LoadReport) -> bool:
     return report.processed - before > PROBE_TOKENS
 
 
-def _deterministic_numerics(response: httpx.Response) -> str | None:
+def _json_object(response: httpx.Response) -> dict[str, Any]:
+    """The answer's JSON object; empty when it is none (a plain-text health answer)."""
+    try:
+        body = response.json()
+    except ValueError:
+        return {}
+    return body if isinstance(body, dict) else {}
+
+
+def _deterministic_numerics(body: dict[str, Any]) -> str | None:
     """A poise replica in its deterministic mode says so in its health answer, with the
     fingerprint of its arithmetic; None for any other answer."""
-    try:
-        body = response.json()
-    except ValueError:
-        return None
-    if not isinstance(body, dict) or body.get("deterministic") is not True:
-        return None
     numerics = body.get("numerics")
-    return numerics if isinstance(numerics, str) and numerics else None
-
-
-def _says_draining(response: httpx.Response) -> bool:
-    """A poise replica that took SIGTERM answers ``{"status": "draining"}``."""
-    try:
-        body = response.json()
-    except ValueError:
-        return False
-    return isinstance(body, dict) and body.get("status") == "draining"
+    if body.get("deterministic") is not True or not isinstance(numerics, str) or not numerics:
+        return None
+    return numerics
 
 
 def apply(backend: Backend, ok: bool, cfg: HealthSettings) -> bool | None:
