@@ -36,9 +36,8 @@ import torch
 log = logging.getLogger("poise.engine.kernels")
 
 _HERE = Path(__file__).parent
-# Compiled together into one library; the header is part of what a build is made of.
+# Compiled together into one library.
 _SOURCES = (_HERE / "paged_attention.c", _HERE / "row_ops.c")
-_HEADERS = (_HERE / "bf16.h",)
 # Reassociation lets the dot products vectorize; finite-math stays off (-inf is used).
 _CFLAGS = (
     "-O3",
@@ -161,7 +160,7 @@ def kernel_key(source: bytes, cpu: str) -> str:
 
 
 def _source_bytes() -> bytes:
-    return b"\0".join(path.read_bytes() for path in (*_SOURCES, *_HEADERS))
+    return b"\0".join(path.read_bytes() for path in _SOURCES)
 
 
 def build_identity() -> str:
@@ -184,7 +183,7 @@ def _build(cache_dir: Path) -> Path:
     cache_dir.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache_dir)
     os.close(fd)
-    cmd = [compiler, *_CFLAGS, f"-I{_HERE}", *map(str, _SOURCES), "-o", tmp, "-lm"]
+    cmd = [compiler, *_CFLAGS, *map(str, _SOURCES), "-o", tmp, "-lm"]
     try:
         subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=120)
         os.replace(tmp, target)  # atomic: concurrent builders never see half a file

@@ -4,8 +4,9 @@
  * K and V row is read once from the pool, with no gathered copy. Work is split over (run of
  * rows, KV head) pairs, a run being one decode row or a prompt chunk's consecutive rows of one
  * sequence (the deterministic mode sends prompts here); the query heads of one KV head
- * (grouped-query attention) and the rows of a run share each K/V row they read. Scores are kept in float32, softmax is exact (two
- * passes over the scores), and the weighted sum of V accumulates in float32.
+ * (grouped-query attention) and the rows of a run share each K/V row they read. Scores are
+ * kept in float32, softmax is exact (two passes over the scores), and the weighted sum of V
+ * accumulates in float32.
  *
  * The context is positions [start, len): start is 0 but under a sliding window, where the blocks
  * before it may already be given back to the pool and are never read (context_starts NULL: 0).
@@ -18,7 +19,20 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "bf16.h"
+static inline float bf16_to_f32(uint16_t x) {
+    uint32_t bits = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40); /* NaN */
+    bits += 0x7fffu + ((bits >> 16) & 1u); /* round to nearest even */
+    return (uint16_t)(bits >> 16);
+}
 
 /* Blocks are scattered over the pool, so the hardware prefetcher cannot guess the next one. */
 static inline void prefetch_block(const void *p, int64_t bytes) {

@@ -45,8 +45,9 @@ static inline float exp_one(float x) {
     return p * lo * hi;
 }
 
-/* bfloat16 to and from float32 over a block, as bf16.h converts one value; written on whole
- * arrays of bits, which GCC vectorizes (it does not see through a value's memcpy here). */
+/* bfloat16 to and from float32 over a block, as paged_attention.c converts one value; written
+ * on whole arrays of bits, which GCC vectorizes (it does not see through a value's memcpy
+ * here). */
 static void bf16_block_to_f32(const uint16_t *restrict x, float *restrict out) {
     uint32_t bits[LANES];
     for (int k = 0; k < LANES; k++) bits[k] = (uint32_t)x[k] << 16;
