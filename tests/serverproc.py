@@ -7,7 +7,9 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -114,12 +116,26 @@ def engine_core_pid(server_pid: int) -> int | None:
     return None
 
 
-def stop_session(proc: subprocess.Popen[bytes], timeout: float = 60.0) -> None:
-    """Stop a process started in its own session (``poise up`` and all it started): SIGINT to
-    the group, as Ctrl-C would, then SIGKILL if it has not ended within ``timeout``."""
-    os.killpg(proc.pid, signal.SIGINT)
-    try:
-        proc.wait(timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+@contextlib.contextmanager
+def poise_up(
+    model: Path, log_path: Path, *flags: str
+) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
+    """``poise up`` for ``model`` on a free port, serving it as "m", with ``flags``, its output in
+    ``log_path``: (its process, the gateway's URL). Stopped as Ctrl-C would (SIGINT to its
+    session), then SIGKILL if it has not ended within 60 s."""
+    port = free_port()
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "poise.cli", "up", "--model", str(model), "--port", str(port),
+             "--served-model-name", "m", *flags],
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+        try:
+            yield proc, f"http://127.0.0.1:{port}"
+        finally:
+            os.killpg(proc.pid, signal.SIGINT)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()

@@ -4,8 +4,6 @@ answered, none sent to the draining replica."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import threading
 import time
 
@@ -13,8 +11,7 @@ import httpx
 import pytest
 import yaml
 
-from poise.launcher import free_port
-from serverproc import stop_session
+from serverproc import poise_up
 
 pytestmark = pytest.mark.slow
 
@@ -104,18 +101,11 @@ def test_poise_up_autoscale_adds_a_replica_then_drains_it_under_load_and_fails_n
             }
         )
     )  # fmt: skip
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
     log_path = tmp_path / "up.log"
-    log = log_path.open("wb")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "poise.cli", "up", "--model", str(llama_dir), "--port", str(port),
-         "--served-model-name", "m", "--autoscale", "--min-replicas", "1", "--max-replicas",
-         "2", "--gateway-config", str(cfg)],
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-    )  # fmt: skip
+    flags = ("--autoscale", "--min-replicas", "1", "--max-replicas", "2", "--gateway-config",
+             str(cfg))  # fmt: skip
     outcomes: list[str] = []
-    try:
+    with poise_up(llama_dir, log_path, *flags) as (_, url):
         assert wait_for(lambda: serving(url) == 1, 90), log_path.read_text()[-3000:]
         heavy = Load(url, 2, 0.1, {"model": "m", "prompt": "scale", "max_tokens": 4}, False)
         try:
@@ -138,9 +128,6 @@ def test_poise_up_autoscale_adds_a_replica_then_drains_it_under_load_and_fails_n
         finally:
             during = light.end()
             outcomes += during
-    finally:
-        stop_session(proc)
-        log.close()
     out = log_path.read_text()
     failed = [o for o in outcomes if o != "200"]
     assert outcomes and not failed, (failed[:5], out[-3000:])

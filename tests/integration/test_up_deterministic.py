@@ -9,8 +9,6 @@ import json
 import os
 import re
 import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -18,8 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from poise.launcher import free_port
-from serverproc import stop_session
+from serverproc import poise_up
 
 pytestmark = pytest.mark.slow
 
@@ -68,17 +65,9 @@ def _stream(url: str, i: int, out: dict[int, list[str]]) -> None:
 
 
 def test_seeded_streams_around_a_replica_kill_are_the_undisturbed_answers(llama_dir, tmp_path):
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
     log_path = tmp_path / "up.log"
-    log = log_path.open("wb")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "poise.cli", "up", "--model", str(llama_dir), "--port", str(port),
-         "--served-model-name", "m", "--deterministic",
-         "--serve-flags", "--dtype bfloat16 --enable-fault-injection"],
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-    )  # fmt: skip
-    try:
+    flags = ("--deterministic", "--serve-flags", "--dtype bfloat16 --enable-fault-injection")
+    with poise_up(llama_dir, log_path, *flags) as (proc, url):
         end = time.monotonic() + 120
         while True:
             text = log_path.read_text()
@@ -132,9 +121,6 @@ def test_seeded_streams_around_a_replica_kill_are_the_undisturbed_answers(llama_
         for t in threads:
             t.join(120)
         metrics = httpx.get(url + "/metrics", timeout=5).text
-    finally:
-        stop_session(proc)
-        log.close()
 
     # Every stream that began completes, those the victim held included (continued on the
     # survivor), and each is its undisturbed answer. (The gateway's admission may refuse a few
