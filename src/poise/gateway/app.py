@@ -41,6 +41,7 @@ from poise.gateway.proxy import make_proxy
 from poise.gateway.response_cache import ResponseCache
 from poise.gateway.routes import ProxiedRoutes, forwarded
 from poise.gateway.shared_verdicts import SharedVerdicts
+from poise.gateway.success_estimate import SuccessTallies, policy_of
 from poise.observability.tracing import Tracing, otlp_provider
 from poise.protocol import DEADLINE_HEADER, APIError, deadline_budget_s
 from poise.protocol_body import read_json_body
@@ -63,6 +64,7 @@ class Gateway:
         self.settings = settings
         self.resolver = resolver
         self.clock = time.monotonic
+        self.success = SuccessTallies(policy_of(settings), self.clock)
         self.metrics = GatewayMetrics(self, registry)
         self.tracing = Tracing(
             tracer_provider
@@ -85,7 +87,10 @@ class Gateway:
         }
         self.keys = {k.key: k for k in settings.keys}
         self.limits = GatewayLimits(
-            settings.rate_limits, self.clock, on_fallback=self.metrics.ratelimit_fallback
+            settings.rate_limits,
+            self.clock,
+            on_fallback=self.metrics.ratelimit_fallback,
+            on_checked=self.success.limits_checked,
         )
         r = settings.retry
         self.budget = RetryBudget(

@@ -15,6 +15,7 @@ from poise.gateway.admission import PoolGate
 from poise.gateway.config import GatewaySettings
 from poise.gateway.limits import GatewayLimits
 from poise.gateway.pool import Pool
+from poise.gateway.success_estimate import SuccessTallies
 from poise.resilience.retry import RetryBudget
 
 
@@ -25,3 +26,4 @@ class GatewayCore(Protocol):
     gates: dict[str, PoolGate]  # the admission queue of each pool
     limits: GatewayLimits
     budget: RetryBudget
+    success: SuccessTallies  # formula 2's counts

@@ -54,6 +54,10 @@ def gateway_state(gw: GatewayCore) -> dict[str, Any]:
             "saturated": gate.saturated,
             "fallback": list(gw.settings.models[name].fallback),
         }
+    estimates = gw.success.estimates()  # formula 2 over the last minute
+    for name, model in models.items():
+        e = estimates.get(name)
+        model["success_estimate"] = None if e is None else e.as_dict()
     budget = gw.budget
     return {
         "role": "gateway",
@@ -68,4 +72,6 @@ def gateway_state(gw: GatewayCore) -> dict[str, Any]:
             "shared": gw.limits.shared is not None,
             "redis_up": gw.limits.redis_up if gw.limits.shared is not None else None,
         },
+        # Formula 2's counts since the gateway started: two readings' difference is a run's.
+        "success_tally": gw.success.totals().as_dict(),
     }

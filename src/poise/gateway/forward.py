@@ -117,7 +117,7 @@ class Forwarder:
         timeouts: Timeouts,
         clock: Callable[[], float] = time.monotonic,
         rng: random.Random | None = None,
-        on_outcome: Callable[[Backend, str], None] | None = None,
+        on_outcome: Callable[[Backend, str, bool], None] | None = None,
         on_budget_exhausted: Callable[[], None] = lambda: None,
         tracing: Tracing | None = None,
     ) -> None:
@@ -127,7 +127,7 @@ class Forwarder:
         self.timeouts = timeouts
         self.clock = clock
         self.rng = rng or random.Random()
-        self.on_outcome = on_outcome or (lambda backend, outcome: None)
+        self.on_outcome = on_outcome or (lambda backend, outcome, first: None)
         self.on_budget_exhausted = on_budget_exhausted
         self.tracer = tracing.tracer if tracing is not None else None
 
@@ -284,7 +284,11 @@ class Forwarder:
         # A stream's first token and the gaps after it time the backend for routing; a whole
         # answer's duration says more about its length than about the backend.
         timer = pool.latency.stream(backend.url) if stream else None
-        outcome = Outcome(self.clock, self.on_outcome, pool, backend, permit, started, span, timer)
+        # A resumed stream's journey begins with the backend it broke on: not a first pick.
+        first = len(journey.tried) == 1 and journey.retries == 0
+        outcome = Outcome(
+            self.clock, self.on_outcome, pool, backend, permit, started, span, timer, first
+        )
         response: aiohttp.ClientResponse | None = None
         cut = CutOff(asyncio.current_task())
         backend.movable[cut] = cut.fire

@@ -38,11 +38,13 @@ class GatewayLimits:
         settings: RateLimitSettings,
         clock: Callable[[], float] = time.monotonic,
         on_fallback: Callable[[], None] = lambda: None,
+        on_checked: Callable[[bool], None] = lambda redis_answered: None,
     ) -> None:
         self.settings = settings
         self.clock = clock
         self.local = RateLimiter(clock)
         self.on_fallback = on_fallback
+        self.on_checked = on_checked  # each check while Redis is configured: did it answer
         self.shared: RedisRateLimiter | None = None
         # Shared with the gateway's other Redis users (shared verdicts): one pool per gateway.
         self.client: Redis | None = None
@@ -66,7 +68,10 @@ class GatewayLimits:
                 if not self.redis_up:
                     log.warning("rate limits: Redis answers again; limits are shared again")
                     self.redis_up = True
+                self.on_checked(True)
                 return Checked(decision, shared=True)
+        if self.shared is not None:
+            self.on_checked(False)
         return Checked(self.local.check(charges), shared=False)
 
     async def adjust(self, charge: Charge, shared: bool) -> None:

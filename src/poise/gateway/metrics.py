@@ -20,6 +20,7 @@ from poise.gateway.autoscaling import Autoscaling
 from poise.gateway.core import GatewayCore
 from poise.gateway.record import RequestRecord
 from poise.resilience.breaker import BreakerState
+from poise.resilience.success import LATENCY_BOUNDS
 
 if TYPE_CHECKING:
     from poise.gateway.pool import Backend
@@ -32,9 +33,7 @@ class MetricsSource(GatewayCore, Protocol):
 
 
 BREAKER_VALUE = {BreakerState.CLOSED: 0, BreakerState.HALF_OPEN: 1, BreakerState.OPEN: 2}
-LATENCY_BUCKETS = (
-    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0,
-)  # fmt: skip
+LATENCY_BUCKETS = LATENCY_BOUNDS  # formula 2 reads the same histogram
 _VERSION = re.compile(r"v\d+")
 MAX_ROUTES = 64  # distinct route labels; the bound on the series a client's paths can make
 QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -42,6 +41,7 @@ QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
 
 class GatewayMetrics:
     def __init__(self, gateway: MetricsSource, registry: CollectorRegistry | None = None) -> None:
+        self.gw = gateway
         r = self.registry = registry if registry is not None else CollectorRegistry()
         self.requests = Counter(
             "poise_gateway_requests",
@@ -157,6 +157,7 @@ class GatewayMetrics:
             self.retries.labels(model).inc(record.retries)
         if record.fallback is not None:
             self.fallbacks.labels(model, record.fallback.split(":")[0]).inc()
+        self.gw.success.finished(record)
 
     def route(self, path: str) -> str:
         """The route label of a path: each segment that looks like an id (a digit in it, but
@@ -169,8 +170,9 @@ class GatewayMetrics:
             self._routes.add(route)
         return route
 
-    def upstream_outcome(self, backend: Backend, outcome: str) -> None:
+    def upstream_outcome(self, backend: Backend, outcome: str, first: bool) -> None:
         self.upstream.labels(backend.url, outcome).inc()
+        self.gw.success.attempted(backend.model, backend.url, outcome, first)
 
     def retry_budget_exhausted(self) -> None:
         self.budget_exhausted.inc()
@@ -186,6 +188,7 @@ class GatewayMetrics:
 
     def admission_refused(self, model: str, reason: str) -> None:
         self.shed.labels(model, reason).inc()
+        self.gw.success.refused(model)
 
     def stream_resumed(self, ok: bool, mode: str) -> None:
         self.resumes.labels("resumed" if ok else "failed", mode).inc()
@@ -267,6 +270,15 @@ class _LiveState(Collector):
             value=gw.budget.peak_retries,
         )
         yield from _autoscale_families(gw)
+        predicted = GaugeMetricFamily(
+            "poise_gateway_predicted_success_probability",
+            "Formula 2: the probability that a request succeeds end to end, from each "
+            "component's measured failures over the last minute (terms in /debug/state).",
+            labels=["model"],
+        )
+        for model, e in gw.success.estimates().items():
+            predicted.add_metric([model], e.probability)
+        yield predicted
         if gw.limits.shared is not None:  # only where Redis is configured
             yield GaugeMetricFamily(
                 "poise_gateway_ratelimit_redis_up",

@@ -41,19 +41,21 @@ class Outcome:
     def __init__(
         self,
         clock: Callable[[], float],
-        on_outcome: Callable[[Backend, str], None],
+        on_outcome: Callable[[Backend, str, bool], None],
         pool: Pool,
         backend: Backend,
         permit: Permit,
         started: float,
         span: trace.Span | None = None,
         timer: StreamTimer | None = None,
+        first: bool = False,
     ) -> None:
         self.clock, self.on_outcome = clock, on_outcome
         self.pool, self.backend, self.started = pool, backend, started
         self.permit = permit  # the breaker's, given back exactly once
         self.span = span  # the attempt's; it lasts as long as the attempt, stream included
         self.timer = timer  # the stream's, fed by the relay
+        self.first = first  # the request's first attempt (its pool's first pick)
         self.closed = False
 
     def _end_span(self, outcome: str) -> None:
@@ -96,7 +98,7 @@ class Outcome:
             self.backend.breaker.record(self.permit, not failed, timing)
         if outcome != "deadline":
             self.pool.judge(self.backend, not failed, error_answer=answered)
-        self.on_outcome(self.backend, outcome)
+        self.on_outcome(self.backend, outcome, self.first)
 
     def abandon(self) -> None:
         if self.closed:

@@ -163,6 +163,8 @@ async def _handle(
             raise
         ended()
         cached = cache.get(ckey) if cache is not None and ckey is not None else None
+        if cache is not None and exc.status in (429, 502, 503):
+            gw.success.cache_tried(model, answered=cached is not None)
         if cached is None or exc.status not in (429, 502, 503):
             raise
         log.warning("model %s: every pool failed (%s); answered from the cache", model, exc)

@@ -1,0 +1,134 @@
+"""The gateway's live formula 2 (``poise.resilience.success``): each component's counts, over a
+sliding window for the live estimate and since start for whoever compares two readings.
+
+Fed where things happen: a request's end (its model, its outcome, its duration), each attempt's
+verdict on a backend and whether it was the request's first, each rate-limit check against
+Redis, each turn to the answer cache. Read by ``/metrics`` (the estimate per model), by
+``/debug/state`` (the estimate with its terms, and the running totals ``poise chaos`` and
+``poise bench`` take the difference of over a run).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from collections.abc import Callable
+
+from poise.gateway.config import GatewaySettings
+from poise.gateway.record import RequestRecord
+from poise.resilience.success import (
+    LATENCY_BOUNDS,
+    Estimate,
+    SuccessPolicy,
+    Tally,
+    estimate,
+)
+
+WINDOW_S = 60.0  # the live estimate's memory: a minute, as a rate over 1m would be
+SLOT_S = 5.0  # the window moves by this much
+# Attempt verdicts that count against a backend; "overloaded" is a 429; "deadline" is the
+# request's own time running out (the deadline term's), not the backend's.
+_FAILED = frozenset({"error", "timeout", "connect_error"})
+# Request outcomes that are neither a success nor the system's failure: the client's doing.
+_NOT_COUNTED = frozenset({"client_error", "client_gone"})
+
+
+def policy_of(settings: GatewaySettings) -> SuccessPolicy:
+    r = settings.retry
+    return SuccessPolicy(
+        timeout_s=settings.timeouts.total_s,
+        max_retries=r.max_retries,
+        budget_ratio=r.budget_ratio,
+        budget_min_per_s=r.budget_min_per_s,
+        fallbacks={name: tuple(m.fallback) for name, m in settings.models.items()},
+    )
+
+
+class SuccessTallies:
+    def __init__(self, policy: SuccessPolicy, clock: Callable[[], float]) -> None:
+        self.policy = policy
+        self.clock = clock
+        self.started = clock()
+        self._totals = Tally()
+        self._slots: deque[tuple[float, Tally]] = deque()
+
+    def _tallies(self) -> tuple[Tally, Tally]:
+        """The running totals and the current slot, where an event is counted."""
+        now = self.clock()
+        if not self._slots or now - self._slots[-1][0] >= SLOT_S:
+            self._slots.append((now, Tally()))
+            while self._slots and now - self._slots[0][0] >= WINDOW_S + SLOT_S:
+                self._slots.popleft()
+        return self._totals, self._slots[-1][1]
+
+    # ----- events -----
+    def finished(self, record: RequestRecord) -> None:
+        if record.model is None or record.outcome in _NOT_COUNTED:
+            return
+        outcome = record.outcome
+        for tally in self._tallies():
+            m = tally.model(record.model)
+            m.requests += 1
+            if outcome == "ok" and record.e2e_s is not None:
+                m.latency[bisect.bisect_left(LATENCY_BOUNDS, record.e2e_s)] += 1
+            elif outcome == "rate_limited":
+                m.rate_limited += 1
+            elif outcome == "no_backend":
+                m.unroutable += 1
+            elif outcome == "timeout":
+                m.missed_deadline += 1
+
+    def refused(self, model: str) -> None:
+        """The admission queue refused a request (it ends as one more ``finished``)."""
+        for tally in self._tallies():
+            tally.model(model).refused += 1
+
+    def attempted(self, model: str, backend: str, outcome: str, first: bool) -> None:
+        if outcome not in _FAILED and outcome not in ("ok", "overloaded"):
+            return
+        for tally in self._tallies():
+            b = tally.model(model).backend(backend)
+            b.first += first
+            if outcome == "ok":
+                b.ok += 1
+            elif outcome == "overloaded":
+                b.overloaded += 1
+            else:
+                b.failed += 1
+
+    def limits_checked(self, redis_answered: bool) -> None:
+        """A rate-limit check with Redis configured: Redis answered it, or the local limits."""
+        for tally in self._tallies():
+            tally.redis_checks += 1
+            if not redis_answered:
+                tally.redis_failed += 1
+                tally.redis_fell_back += 1
+
+    def cache_tried(self, model: str, answered: bool) -> None:
+        for tally in self._tallies():
+            m = tally.model(model)
+            m.cache_tried += 1
+            m.cache_answered += answered
+
+    # ----- readings -----
+    def window(self) -> Tally:
+        """The slots begun within the last ``WINDOW_S + SLOT_S`` (the time since start, if
+        less), as one tally."""
+        now = self.clock()
+        span = WINDOW_S + SLOT_S
+        out = Tally()
+        for at, slot in self._slots:
+            if now - at < span:
+                out.add(slot)
+        out.seconds = min(span, now - self.started)
+        return out
+
+    def totals(self) -> Tally:
+        """Everything since the gateway started; ``seconds``: its time since."""
+        out = Tally()
+        out.add(self._totals)
+        out.seconds = self.clock() - self.started
+        return out
+
+    def estimates(self) -> dict[str, Estimate]:
+        return estimate(self.window(), self.policy)
