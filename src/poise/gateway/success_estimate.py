@@ -29,8 +29,9 @@ SLOT_S = 5.0  # the window moves by this much
 # Attempt verdicts that count against a backend; "overloaded" is a 429; "deadline" is the
 # request's own time running out (the deadline term's), not the backend's.
 _FAILED = frozenset({"error", "timeout", "connect_error"})
-# Request outcomes that are neither a success nor the system's failure: the client's doing.
-_NOT_COUNTED = frozenset({"client_error", "client_gone"})
+# Request outcomes that are neither a success nor the system's failure: the client's doing (a
+# request over its key's quota included).
+_NOT_COUNTED = frozenset({"client_error", "client_gone", "rate_limited"})
 
 
 def policy_of(settings: GatewaySettings) -> SuccessPolicy:
@@ -71,8 +72,6 @@ class SuccessTallies:
             m.requests += 1
             if outcome == "ok" and record.e2e_s is not None:
                 m.latency[bisect.bisect_left(LATENCY_BOUNDS, record.e2e_s)] += 1
-            elif outcome == "rate_limited":
-                m.rate_limited += 1
             elif outcome == "no_backend":
                 m.unroutable += 1
             elif outcome == "timeout":

@@ -1,16 +1,18 @@
 """SPEC formula 2: the probability that a request succeeds end to end, from what each component
 was measured to do.
 
-    P = (1 − p_limits) · (1 − p_admission) · P(L ≤ T) · [1 − (1 − C) · (1 − r_cache)]
+    P = (1 − p_redis·(1 − r_fallback)) · (1 − p_admission) · P(L ≤ T) · [1 − (1 − C)·(1 − r_cache)]
 
-term by term, each measured over the same requests (a ``Tally``):
+over the requests within their key's rate limits (one refused by its own quota is the client's
+doing, as a 4xx is, and counts neither way), term by term, each measured over the same
+requests (a ``Tally``):
 
-- ``p_limits``: the share of requests refused by a rate limit. Redis, where configured, is a
-  component whose failures the local fallback recovers whole (a check Redis cannot answer is
-  answered by the gateway's own limiter), so it adds ``p_redis · (1 − r_fallback)`` to the
-  refusals, which is 0 as long as every failed check fell back; both are shown.
-- ``p_admission``: the share of the requests past the limits that the admission queue refused
-  (full, shed, its TTL or their deadline passed while waiting).
+- ``p_redis · (1 − r_fallback)``: Redis, where configured, is a component whose failures the
+  local fallback recovers whole (a check Redis cannot answer is answered by the gateway's own
+  limiter): ``p_redis`` is the share of checks it did not answer and ``r_fallback`` the share of
+  those the local limits answered, so the term is 1 as long as every failed check fell back.
+- ``p_admission``: the share of the requests that the admission queue refused (full, shed, its
+  TTL or their deadline passed while waiting).
 - ``P(L ≤ T)``: the share of the admitted requests that finished within the deadline ``T``,
   read from the latency distribution of the completed ones (a histogram), with the requests that
   ran out of time counted past every bound. At the gateway's own deadline every completed
@@ -81,7 +83,6 @@ class ModelCounts:
     """What the requests for one model came to."""
 
     requests: int = 0  # ended, whatever the outcome (not those their client gave up on)
-    rate_limited: int = 0
     refused: int = 0  # by the admission queue
     unroutable: int = 0  # admitted, with no backend to send to
     missed_deadline: int = 0  # admitted, and ran out of time
@@ -93,7 +94,7 @@ class ModelCounts:
 
     @property
     def admitted(self) -> int:
-        return self.requests - self.rate_limited - self.refused
+        return self.requests - self.refused
 
     def backend(self, url: str) -> BackendCounts:
         counts = self.backends.get(url)
@@ -202,7 +203,6 @@ class Estimate:
 
     probability: float
     requests: int  # the tally's requests for the model
-    rate_limited: float  # p_limits: the share refused by a rate limit
     redis_unavailable: float  # p_redis: the share of limit checks Redis did not answer
     redis_recovered: float  # r_fallback: of those, the share the local limits answered
     refused: float  # p_admission
@@ -231,16 +231,15 @@ def estimate(tally: Tally, policy: SuccessPolicy) -> dict[str, Estimate]:
         chain = [name, *policy.fallbacks.get(name, ())]
         # A fallback model with no requests of its own in the tally has shown nothing: 0.
         all_fail = math.prod(1 - stages[n][2] if n in stages else 1.0 for n in chain)
-        p_limits = _share(m.rate_limited, m.requests) + redis_p * (1 - redis_r)
-        p_admission = _share(m.refused, m.requests - m.rate_limited)
+        p_redis = redis_p * (1 - redis_r)
+        p_admission = _share(m.refused, m.requests)
         within = within_deadline(m.latency, m.missed_deadline, policy.timeout_s)
         cache = _share(m.cache_answered, m.cache_tried)
         first, backends, _ = stages[name]
-        p = (1 - min(1.0, p_limits)) * (1 - p_admission) * within * (1 - all_fail * (1 - cache))
+        p = (1 - p_redis) * (1 - p_admission) * within * (1 - all_fail * (1 - cache))
         out[name] = Estimate(
             probability=p,
             requests=m.requests,
-            rate_limited=_share(m.rate_limited, m.requests),
             redis_unavailable=redis_p,
             redis_recovered=redis_r,
             refused=p_admission,

@@ -329,15 +329,14 @@ def test_gateway_metrics_move_by_exactly_what_happened(gateway, replicas):
     assert m("poise_gateway_inflight_requests") == 0 and m("poise_gateway_queued_requests") == 0
     assert m("poise_gateway_health_probes_total", result="ok") > 0
 
-    # Formula 2 from the same events: m lost 1 request of 10 to its rate limit and 1 of the 9
-    # left to its queue; r's only backend failed every attempt, and the fallback to m's pool,
-    # which failed none, answered.
-    assert m("poise_gateway_predicted_success_probability", model="m") == pytest.approx(0.8)
+    # Formula 2 from the same events: m lost 1 request of 9 to its queue (the one over its
+    # key's quota is the client's: it counts neither way); r's only backend failed every
+    # attempt, and the fallback to m's pool, which failed none, answered.
+    assert m("poise_gateway_predicted_success_probability", model="m") == pytest.approx(8 / 9)
     auth = {"Authorization": "Bearer sk-free-0000"}
     state = httpx.get(g.url + "/debug/state", headers=auth, timeout=5).json()
     est_m, est_r = (state["models"][name]["success_estimate"] for name in ("m", "r"))
-    assert (est_m["requests"], est_m["rate_limited"]) == (10, pytest.approx(0.1))
-    assert (est_m["refused"], est_m["backends"]) == (pytest.approx(1 / 9), 1.0)
+    assert (est_m["requests"], est_m["refused"], est_m["backends"]) == (9, pytest.approx(1 / 9), 1)
     assert (est_r["backends"], est_r["with_fallbacks"], est_r["probability"]) == (0.0, 1.0, 1.0)
     counted = state["success_tally"]["models"]["r"]["backends"][failing.url]
     assert counted == {"first": 1, "ok": 0, "failed": 2, "overloaded": 0}

@@ -111,6 +111,14 @@ CASES: dict[str, tuple[list[dict[str, str]], str, dict[str, str]]] = {
         "3m",
         {"instance": "g1", "model": "m"},
     ),
+    "PoisePredictedSuccessBelowSLO": (
+        [
+            series("poise_gateway_predicted_success_probability", {"model": "m", "instance": i}, v)
+            for i, v in (("g1", "0.995x20"), ("g2", "0.999x20"))
+        ],
+        "15m",
+        {"model": "m"},
+    ),
     "PoiseSheddingHigh": (
         [
             series("poise_gateway_shed_total", {"model": "m", "reason": "shed"}, "0+30x30"),
@@ -210,6 +218,7 @@ def test_healthy_series_fire_nothing(tmp_path):
         series("poise_gateway_backends", {"model": "m"}, "3x400"),
         series("poise_gateway_retry_budget_exhausted_total", {}, "0x400"),
         series("poise_gateway_ratelimit_redis_up", {}, "1x400"),
+        series("poise_gateway_predicted_success_probability", {"model": "m"}, "0.9995x400"),
     ]
     checks = [
         {"eval_time": t, "alertname": name, "exp_alerts": []}

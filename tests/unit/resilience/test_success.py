@@ -106,13 +106,13 @@ def test_redis_down_with_the_local_fallback_costs_nothing():
     assert p(down) == pytest.approx(0.6)
 
 
-def test_limits_admission_and_unroutable_multiply():
+def test_admission_and_unroutable_multiply():
     t = two_backends(0.0, 0.0)
     m = t.model("m")
-    m.rate_limited, m.refused, m.unroutable = 10, 9, 9  # of 100; 90 past the limits; 81 admitted
+    m.refused, m.unroutable = 10, 9  # of 100; 90 admitted
     e = estimate(t, SuccessPolicy())["m"]
-    assert (e.rate_limited, e.refused, e.unroutable) == pytest.approx((0.1, 0.1, 9 / 81))
-    assert e.probability == pytest.approx(0.9 * 0.9 * (1 - 9 / 81))
+    assert (e.refused, e.unroutable) == pytest.approx((0.1, 0.1))
+    assert e.probability == pytest.approx(0.9 * 0.9)
 
 
 def test_fallback_models_and_the_cache_recover_what_the_pool_lost():
