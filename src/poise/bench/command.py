@@ -9,9 +9,11 @@ import math
 import random
 from pathlib import Path
 
+from poise.bench.gateway_counts import read_counts
 from poise.bench.report import SLO, Stats, Summary, summarize
 from poise.bench.runner import Target, run, write_results
 from poise.bench.workload import Lengths, arrival_times, from_dataset, synthetic
+from poise.resilience.success import RunSuccess, run_success
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -70,10 +72,14 @@ def main(args: argparse.Namespace) -> int:
     arrivals = arrival_times(n, rates, args.step_s, args.burstiness, rng) if rates else None
     slo = SLO.parse(args.slo) if args.slo else None
     target = Target(args.url, args.model, args.api_key, args.chat, args.ignore_eos)
+    before, _ = read_counts(args.url, target.headers)
     records, duration = asyncio.run(
         run(target, items, arrivals, args.concurrency, progress=not args.no_progress)
     )
+    after, policy = read_counts(args.url, target.headers, settle=True)
     summary = summarize(records, duration, slo)
+    tallies = [] if before is None or after is None else [before, after]
+    summary = summary.with_success(run_success(tallies, policy, summary.completed, summary.sent))
     print(format_summary(summary, slo))
     if args.plot:
         from poise.bench.plots import plot_run
@@ -178,8 +184,23 @@ def format_summary(s: Summary, slo: SLO | None) -> str:
         attained = "-" if s.slo_attainment is None else f"{100 * s.slo_attainment:.1f} %"
         lines.append(f"{'SLO attainment':<22}{attained} of completed")
         lines.append(f"{'goodput':<22}{s.goodput:.2f} req/s")
+    if s.success is not None:
+        lines.append(f"{'success':<22}{format_success(s.success)}")
     return "\n".join(lines)
 
 
 def _share(k: int, n: int) -> str:
     return f"{100 * k / n:.1f} %" if n else "-"
+
+
+def format_success(s: RunSuccess | None) -> str:
+    """Formula 2's prediction beside what the clients saw, for chaos and bench alike."""
+    if s is None or s.observed is None:
+        return "-"
+    observed = f"observed {100 * s.observed:.2f} %"
+    if s.predicted is None or s.difference_pp is None:
+        return f"{observed}; predicted - (the gateway gave no formula 2 counts)"
+    return (
+        f"predicted {100 * s.predicted:.2f} % (formula 2, from the gateway's counts over the "
+        f"run), {observed}: {s.difference_pp:+.2f} pp"
+    )

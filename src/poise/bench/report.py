@@ -12,8 +12,10 @@ goodput's numerator, so shedding can never hide inside it: goodput counts what c
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
+
+from poise.resilience.success import RunSuccess
 
 REJECTED_STATUS = frozenset({429, 503})
 
@@ -119,6 +121,10 @@ class Summary:
     e2e: Stats | None
     slo_attainment: float | None  # among completed; None without an SLO
     goodput: float | None  # requests per second meeting the SLO; None without an SLO
+    success: RunSuccess | None = None  # formula 2's prediction beside the share that completed
+
+    def with_success(self, success: RunSuccess) -> Summary:
+        return replace(self, success=success)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

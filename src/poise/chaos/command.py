@@ -6,11 +6,13 @@ import argparse
 import json
 from pathlib import Path
 
+from poise.bench.command import format_success
 from poise.bench.report import Stats
 from poise.bench.workload import Lengths
 from poise.chaos.report import ChaosReport, Counts
 from poise.chaos.runner import Setup, run_scenario
 from poise.chaos.scenarios import SCENARIOS, ChaosError, Plan
+from poise.resilience.success import RunSuccess
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -157,6 +159,7 @@ def format_report(r: ChaosReport) -> str:
         + " (in a 2 s window after the fault)",
         f"{'availability':<24}"
         + ("-" if r.availability is None else f"{100 * r.availability:.2f} % (formula 1)"),
+        f"{'success':<24}{format_success(r.success)}",
         f"{'after the load':<24}KV blocks in use {leaks.kv_blocks}, replica requests "
         f"{leaks.replica_requests}, gateway requests {leaks.gateway_requests}"
         + (f"; replicas {leaks.unreadable} did not answer" if leaks.unreadable else ""),
@@ -182,7 +185,8 @@ def _detection(r: ChaosReport) -> str:
 def format_table(reports: list[ChaosReport]) -> str:
     head = (
         f"{'scenario':<18}{'sent':>6}{'done':>6}{'retry':>6}{'migr':>6}{'refus':>6}{'fail':>6}"
-        f"{'lost':>6}{'hung':>6}{'detect':>8}{'MTTR':>8}{'avail':>9}{'leak':>6}  verdict"
+        f"{'lost':>6}{'hung':>6}{'detect':>8}{'MTTR':>8}{'avail':>9}{'leak':>6}"
+        f"{'pred':>8}{'obs':>8}{'diff':>7}  verdict"
     )
     rows = [head]
     for r in reports:
@@ -193,6 +197,17 @@ def format_table(reports: list[ChaosReport]) -> str:
             f"{r.scenario:<18}{c.sent:>6}{c.completed:>6}{c.after_retry:>6}"
             f"{'-' if r.migrated is None else int(r.migrated):>6}{c.refused:>6}{c.failed:>6}"
             f"{c.lost:>6}{c.hung:>6}{_s(r.detected_s):>8}{_s(r.mttr_s, 'never'):>8}{avail:>9}"
-            f"{leaked:>6}  {'PASS' if r.passed else 'FAIL'}"
+            f"{leaked:>6}{_success_columns(r.success)}  {'PASS' if r.passed else 'FAIL'}"
         )
     return "\n".join(rows)
+
+
+def _success_columns(s: RunSuccess | None) -> str:
+    def pct(v: float | None) -> str:
+        return "-" if v is None else f"{100 * v:.1f}%"
+
+    diff = None if s is None else s.difference_pp
+    return (
+        f"{pct(None if s is None else s.predicted):>8}{pct(None if s is None else s.observed):>8}"
+        f"{'-' if diff is None else f'{diff:+.1f}':>7}"
+    )

@@ -32,6 +32,7 @@ from poise.bench.report import REJECTED_STATUS, Record, Stats
 from poise.chaos.load import Sent
 from poise.chaos.sampler import Sample
 from poise.chaos.scenarios import Plan
+from poise.resilience.success import RunSuccess, run_success
 
 OUTCOMES = ("completed", "refused", "failed", "hung", "lost", "abandoned")
 WINDOW_S = 2.0
@@ -201,6 +202,7 @@ class ChaosReport:
     scenario_holds: bool = False  # the fault lasts for the plan's hold, then ends
     offered: dict[str, float] = field(default_factory=dict)  # requests per second, by traffic
     requests: list[dict[str, Any]] = field(default_factory=list)  # each one, for the JSON
+    success: RunSuccess | None = None  # formula 2's prediction beside what the clients saw
 
     @property
     def passed(self) -> bool:
@@ -321,11 +323,12 @@ def build(
         by_label.setdefault(s.planned.traffic.label, []).append(s)
     baseline = baseline_p99(sents, plan)
     mttr = recovery_time(sents, plan, baseline)
+    counts = Counts.of(sents)
     return ChaosReport(
         scenario=scenario,
         summary=summary,
         plan=asdict(plan),
-        counts=Counts.of(sents),
+        counts=counts,
         by_traffic={k: Counts.of(v) for k, v in by_label.items()},
         migrated=migrated,
         detected_s=detection_time(samples, plan.fault_at_s, detection, target),
@@ -341,7 +344,17 @@ def build(
         scenario_holds=holds,
         offered=offered or {},
         requests=[_request_row(s) for s in sents],
+        success=success_of(samples, counts),
     )
+
+
+def success_of(samples: list[Sample], counts: Counts) -> RunSuccess:
+    """Formula 2 from what the gateway counted over the run, beside the share of the requests
+    (those whose clients did not walk away) that completed."""
+    read = [s for s in samples if s.tally is not None]
+    policy = read[-1].policy if read else None
+    tallies = [s.tally for s in read if s.tally is not None]
+    return run_success(tallies, policy, counts.completed, counts.sent - counts.abandoned)
 
 
 def _request_row(s: Sent) -> dict[str, Any]:

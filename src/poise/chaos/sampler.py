@@ -19,6 +19,8 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from poise.bench.client import auth_headers
+from poise.bench.gateway_counts import success_counts
+from poise.resilience.success import SuccessPolicy, Tally
 
 MIGRATIONS = "poise_gateway_stream_migrations"
 
@@ -40,6 +42,9 @@ class Sample:
     redis_up: bool | None = None
     gateway_inflight: int | None = None  # admitted and queued requests
     replicas: list[ReplicaSample] = field(default_factory=list)
+    # The gateway's formula 2 counts since it started, and its policy (None: it gave none).
+    tally: Tally | None = None
+    policy: SuccessPolicy | None = None
 
 
 async def _json(
@@ -79,7 +84,9 @@ def gateway_sample(t: float, state: dict[str, Any] | None) -> Sample:
         inflight += model["queue"]["waiting"] + model["queue"]["admitted"]
         for b in model["backends"]:
             breakers[b["url"]] = b["breaker"]
-    return Sample(t, True, eligible, breakers, state["rate_limits"]["redis_up"], inflight)
+    s = Sample(t, True, eligible, breakers, state["rate_limits"]["redis_up"], inflight)
+    s.tally, s.policy = success_counts(state)
+    return s
 
 
 class Sampler:

@@ -74,4 +74,5 @@ def gateway_state(gw: GatewayCore) -> dict[str, Any]:
         },
         # Formula 2's counts since the gateway started: two readings' difference is a run's.
         "success_tally": gw.success.totals().as_dict(),
+        "success_policy": gw.success.policy.as_dict(),
     }

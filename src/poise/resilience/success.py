@@ -49,7 +49,7 @@ the backends of a pool: about a millisecond for 10 backends.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from functools import cache
 from typing import Any
@@ -195,6 +195,22 @@ class SuccessPolicy:
     budget_ratio: float = 0.2
     budget_min_per_s: float = 1.0
     fallbacks: dict[str, tuple[str, ...]] = field(default_factory=dict)  # a model's, in order
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> SuccessPolicy:
+        try:
+            return cls(
+                float(d["timeout_s"]),
+                int(d["max_retries"]),
+                float(d["budget_ratio"]),
+                float(d["budget_min_per_s"]),
+                {str(k): tuple(map(str, v)) for k, v in d["fallbacks"].items()},
+            )
+        except (KeyError, TypeError, AttributeError, ValueError) as exc:
+            raise ValueError(f"not a success policy: {exc}") from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -346,3 +362,42 @@ def _walk(
         return success, asked
 
     return attempt(urls, frozenset(), 0)
+
+
+@dataclass(frozen=True, slots=True)
+class RunSuccess:
+    """A run's predicted success (formula 2 from the gateway's counts over the run) beside the
+    share of its requests its clients saw succeed."""
+
+    predicted: float | None  # None: the gateway did not say (not poise, or it saw no request)
+    observed: float | None  # None: no request that counts
+    model: str | None = None  # the model the prediction is for: the run's busiest
+    terms: dict[str, Any] | None = None  # the estimate, term by term
+    difference_pp: float | None = None  # predicted minus observed, in percentage points
+
+    @classmethod
+    def of(
+        cls,
+        predicted: float | None,
+        observed: float | None,
+        model: str | None = None,
+        terms: dict[str, Any] | None = None,
+    ) -> RunSuccess:
+        diff = None if predicted is None or observed is None else 100 * (predicted - observed)
+        return cls(predicted, observed, model, terms, diff)
+
+
+def run_success(
+    tallies: Sequence[Tally], policy: SuccessPolicy | None, succeeded: int, counted: int
+) -> RunSuccess:
+    """``tallies``: the gateway's running totals read through the run, the first before its
+    first request and the last after its last answer; ``succeeded`` of ``counted`` requests
+    succeeded as the clients saw them."""
+    observed = succeeded / counted if counted > 0 else None
+    if policy is None or len(tallies) < 2:
+        return RunSuccess.of(None, observed)
+    estimates = estimate(increase(tallies), policy)
+    if not estimates:
+        return RunSuccess.of(None, observed)
+    model, e = max(estimates.items(), key=lambda kv: kv[1].requests)
+    return RunSuccess.of(e.probability, observed, model, e.as_dict())
