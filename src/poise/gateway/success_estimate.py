@@ -41,6 +41,7 @@ def policy_of(settings: GatewaySettings) -> SuccessPolicy:
         max_retries=r.max_retries,
         budget_ratio=r.budget_ratio,
         budget_min_per_s=r.budget_min_per_s,
+        budget_window_s=r.budget_window_s,
         fallbacks={name: tuple(m.fallback) for name, m in settings.models.items()},
     )
 

@@ -28,10 +28,10 @@ requests (a ``Tally``):
     proportion to the first attempts; each backend's outcomes are independent of the last's;
   - a 429 moves the request at once, outside the budget, to a backend it has not tried; none
     left, and it fails. Moves count against ``max_retries`` as retries do, as in the forwarder.
-  - ``g = min(1, allowance / wanted)``: retries the budget allows a second,
-    ``max(min_per_s, ratio · λ)`` with λ the admitted requests a second (every model: the budget
-    is the gateway's), against those the failures ask for (the same walk with every retry
-    granted). The budget's bound on retries in flight at once is not modelled.
+  - ``g = min(1, allowance / wanted)``: the retries the budget allows over the tally's span S,
+    ``max(min_per_s · max(S, window_s), ratio · n)`` with n the admitted requests (every model:
+    the budget is the gateway's), against those the failures ask for (the same walk with every
+    retry granted). The budget's bound on retries in flight at once is not modelled.
 - ``r_cache``: the share of the requests every pool failed that the answer cache served.
 
 Independence is the assumption that makes the product a probability: a request's chance at one
@@ -194,6 +194,7 @@ class SuccessPolicy:
     max_retries: int = 2
     budget_ratio: float = 0.2
     budget_min_per_s: float = 1.0
+    budget_window_s: float = 10.0
     fallbacks: dict[str, tuple[str, ...]] = field(default_factory=dict)  # a model's, in order
 
     def as_dict(self) -> dict[str, Any]:
@@ -207,6 +208,7 @@ class SuccessPolicy:
                 int(d["max_retries"]),
                 float(d["budget_ratio"]),
                 float(d["budget_min_per_s"]),
+                float(d["budget_window_s"]),
                 {str(k): tuple(map(str, v)) for k, v in d["fallbacks"].items()},
             )
         except (KeyError, TypeError, AttributeError, ValueError) as exc:
@@ -310,8 +312,9 @@ def _budget_grant(tally: Tally, policy: SuccessPolicy) -> float:
     )
     if wanted <= 0:
         return 1.0
-    allowance = max(policy.budget_min_per_s, policy.budget_ratio * admitted / tally.seconds)
-    return min(1.0, allowance / (wanted / tally.seconds))
+    # Over a span shorter than the budget's window the floor is the whole window's.
+    floor = policy.budget_min_per_s * max(tally.seconds, policy.budget_window_s)
+    return min(1.0, max(floor, policy.budget_ratio * admitted) / wanted)
 
 
 def _walk(

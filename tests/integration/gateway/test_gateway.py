@@ -6,6 +6,8 @@ import json
 import os
 import re
 import signal
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -441,3 +443,31 @@ def test_the_autoscaling_advice_follows_the_load(gateway):
                 break
             time.sleep(0.5)
     assert d["desired"] == 1 and d["arrival_rate"] < 0.9
+
+
+def test_bench_predicts_the_success_its_clients_then_see(gateway, replicas, tmp_path):
+    """Without retries, a request succeeds exactly when its one attempt does: formula 2 over
+    the gateway's counts for the run must come out at the share bench saw succeed."""
+    failing = replicas[0]
+    failing.faults(fail_steps=10**6)  # every completion it is sent fails with a 500
+    g = gateway(
+        retry={"max_retries": 0},
+        breaker={"min_calls": 1000},
+        ejection={"consecutive_failures": 1000},
+        health={**FAST_HEALTH, "generate_probe": False},
+    )
+    results = tmp_path / "bench.json"
+    out = subprocess.run(
+        [
+            sys.executable, "-m", "poise.cli", "bench", "--url", g.url, "--model", "m",
+            "--concurrency", "2", "--num-requests", "24", "--prompt-len", "4",
+            "--output-len", "4", "--results", str(results), "--no-progress",
+        ],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    success = json.loads(results.read_text())["summary"]["success"]
+    assert 0.1 < success["observed"] < 0.9, success  # both replicas were tried
+    assert success["predicted"] == pytest.approx(success["observed"])
+    assert success["terms"]["first_attempt"] == pytest.approx(success["observed"])
+    assert "predicted" in out.stdout and "+0.00 pp" in out.stdout

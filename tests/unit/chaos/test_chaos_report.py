@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from poise.bench.command import format_success
 from poise.bench.report import Record
 from poise.bench.workload import Item, Lengths
 from poise.chaos.load import Planned, Sent
@@ -18,8 +19,9 @@ from poise.chaos.report import (
     recovery_time,
     worst_p99,
 )
-from poise.chaos.sampler import ReplicaSample, Sample, replica_sample
+from poise.chaos.sampler import ReplicaSample, Sample, gateway_sample, replica_sample
 from poise.chaos.scenarios import Plan, Traffic
+from poise.resilience.success import BackendCounts, SuccessPolicy, Tally
 
 PLAN = Plan.of(duration_s=30.0, rate=4.0, capacity=10.0)
 STEADY = PLAN.steady()
@@ -192,3 +194,41 @@ def test_the_report_fails_on_a_lost_request_and_passes_without():
     timeline = lost.timeline
     assert timeline is not None and sum(timeline.failed) == 1 and sum(timeline.completed) == 60
     assert Lengths(24) == PLAN.prompt_len
+
+
+def gateway_state(seconds: float, requests: int, ok: int, failed: int) -> dict[str, object]:
+    """A poise gateway's /debug/state, with its formula 2 counts since it started."""
+    tally = Tally(seconds=seconds)
+    m = tally.model("demo")
+    m.requests = m.latency[0] = requests
+    m.backends["http://r0"] = BackendCounts(first=requests, ok=ok, failed=failed)
+    return {
+        "role": "gateway",
+        "models": {},
+        "rate_limits": {"redis_up": None},
+        "success_tally": tally.as_dict(),
+        "success_policy": SuccessPolicy(max_retries=0).as_dict(),
+    }
+
+
+def test_the_run_predicts_success_from_the_gateways_counts_across_its_restart():
+    states = [
+        gateway_state(5.0, 4, 4, 0),  # the warm-up, before the run
+        gateway_state(15.0, 24, 22, 2),  # 20 more, 2 of them failed
+        gateway_state(3.0, 10, 8, 2),  # restarted: all of it is the run's
+    ]
+    samples = [gateway_sample(float(i), s) for i, s in enumerate(states)]
+    sents = [ok(t / 2) for t in range(27)] + [bad(14, status=502, failure="status")] * 3
+    report = build("x", "x", PLAN, sents, samples, 0, "none", None, Leaks([], [], 0), [], [])
+    s = report.success
+    assert s is not None and s.model == "demo"
+    assert s.predicted == pytest.approx(26 / 30) and s.observed == pytest.approx(27 / 30)
+    assert s.difference_pp == pytest.approx(-100 / 30)
+    # Not a poise gateway (or one without the counts): observed only.
+    foreign = [
+        gateway_sample(0.0, {"role": "gateway", "models": {}, "rate_limits": {"redis_up": None}})
+    ]
+    alone = build("x", "x", PLAN, sents, foreign, 0, "none", None, Leaks([], [], 0), [], [])
+    assert alone.success is not None and alone.success.predicted is None
+    assert "predicted -" in format_success(alone.success)
+    assert "-3.33 pp" in format_success(s)
