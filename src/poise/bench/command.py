@@ -79,7 +79,9 @@ def main(args: argparse.Namespace) -> int:
     after, policy = read_counts(args.url, target.headers, settle=True)
     summary = summarize(records, duration, slo)
     tallies = [] if before is None or after is None else [before, after]
-    summary = summary.with_success(run_success(tallies, policy, summary.completed, summary.sent))
+    summary = summary.with_success(
+        run_success(tallies, policy, summary.completed, summary.sent, args.model)
+    )
     print(format_summary(summary, slo))
     if args.plot:
         from poise.bench.plots import plot_run

@@ -317,6 +317,7 @@ def build(
     backends: list[str],
     holds: bool = False,
     offered: dict[str, float] | None = None,
+    model: str | None = None,
 ) -> ChaosReport:
     by_label: dict[str, list[Sent]] = {}
     for s in sents:
@@ -344,17 +345,17 @@ def build(
         scenario_holds=holds,
         offered=offered or {},
         requests=[_request_row(s) for s in sents],
-        success=success_of(samples, counts),
+        success=success_of(samples, counts, model),
     )
 
 
-def success_of(samples: list[Sample], counts: Counts) -> RunSuccess:
-    """Formula 2 from what the gateway counted over the run, beside the share of the requests
-    (those whose clients did not walk away) that completed."""
+def success_of(samples: list[Sample], counts: Counts, model: str | None = None) -> RunSuccess:
+    """Formula 2 for ``model`` from what the gateway counted over the run, beside the share of
+    the requests (those whose clients did not walk away) that completed."""
     read = [s for s in samples if s.tally is not None]
     policy = read[-1].policy if read else None
     tallies = [s.tally for s in read if s.tally is not None]
-    return run_success(tallies, policy, counts.completed, counts.sent - counts.abandoned)
+    return run_success(tallies, policy, counts.completed, counts.sent - counts.abandoned, model)
 
 
 def _request_row(s: Sent) -> dict[str, Any]:

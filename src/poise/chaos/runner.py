@@ -274,6 +274,7 @@ async def _measure(
         deployed.replica_urls,
         holds=scenario.recover is not None or len(traffic) > 1,
         offered={t.label: t.rate for t in traffic},
+        model=setup.model_name,
     )
 
 

@@ -139,6 +139,7 @@ class Gateway:
             Timeouts(t.connect_s, t.first_byte_s),
             self.clock,
             on_outcome=self.metrics.upstream_outcome,
+            on_sent=self.success.sent,
             on_budget_exhausted=self.metrics.retry_budget_exhausted,
             tracing=self.tracing,
         )

@@ -117,7 +117,8 @@ class Forwarder:
         timeouts: Timeouts,
         clock: Callable[[], float] = time.monotonic,
         rng: random.Random | None = None,
-        on_outcome: Callable[[Backend, str, bool], None] | None = None,
+        on_outcome: Callable[[Backend, str, bool, str], None] | None = None,
+        on_sent: Callable[[str, bool], None] = lambda model, routed: None,
         on_budget_exhausted: Callable[[], None] = lambda: None,
         tracing: Tracing | None = None,
     ) -> None:
@@ -127,7 +128,8 @@ class Forwarder:
         self.timeouts = timeouts
         self.clock = clock
         self.rng = rng or random.Random()
-        self.on_outcome = on_outcome or (lambda backend, outcome, first: None)
+        self.on_outcome = on_outcome or (lambda backend, outcome, first, recovery: None)
+        self.on_sent = on_sent  # a request sent to a pool: did it find a backend
         self.on_budget_exhausted = on_budget_exhausted
         self.tracer = tracing.tracer if tracing is not None else None
 
@@ -156,6 +158,7 @@ class Forwarder:
                 bodies[b] = body(b)
             return bodies[b]
 
+        fresh = not journey.tried  # not a resumed stream's, which begins with the broken one
         try:
             while True:
                 # After a refusal for load, none of those that refused; otherwise not the last one.
@@ -163,6 +166,9 @@ class Forwarder:
                 unable = frozenset(b for b in pool.backends if body_of(b) is None)
                 backend = pool.pick(affinity, frozenset(tried), unable)
                 permit = backend.breaker.acquire() if backend is not None else None
+                if fresh:
+                    fresh = False
+                    self.on_sent(pool.model, permit is not None)
                 if backend is None or permit is None:
                     why = f" (last error: {journey.last_error})" if journey.last_error else ""
                     raise APIError(
@@ -322,11 +328,12 @@ class Forwarder:
                     answered = error_code(data) not in NOT_SERVING_CODES
                     if status in RETRYABLE_STATUS and call.idempotent:
                         verdict = "overloaded" if status == 429 else "error"
-                        outcome.done(verdict, answered=answered)
+                        recovery = "move" if status == 429 else "retry"
+                        outcome.done(verdict, answered=answered, recovery=recovery)
                         journey.last_error = f"{status} from {backend.url}: {error_message(data)}"
                         return None, retry_after_s(response)
                     verdict = "overloaded" if status == 429 else "ok" if status < 500 else "error"
-                    outcome.done(verdict, output_tokens(data), answered=answered)
+                    outcome.done(verdict, output_tokens(data), answered=answered, recovery="none")
                     return Upstream(status, passed_headers(response), data, backend=backend), None
                 chunks = response.content.iter_any()
                 first = await anext(chunks, b"")
@@ -359,9 +366,13 @@ class Forwarder:
                     f"the request's deadline passed while {backend.url} computed it",
                     code="timeout",
                 ) from None
-            outcome.done("timeout" if isinstance(exc, TimeoutError) else "connect_error")
+            given_up = not call.idempotent and not _never_sent(exc)
+            outcome.done(
+                "timeout" if isinstance(exc, TimeoutError) else "connect_error",
+                recovery="none" if given_up else "retry",
+            )
             journey.last_error = f"{type(exc).__name__} from {backend.url}: {exc}"
-            if not call.idempotent and not _never_sent(exc):
+            if given_up:
                 raise _give_up(journey) from None
             return None, None
         except asyncio.CancelledError:
@@ -372,7 +383,7 @@ class Forwarder:
                 raise
             # Cut off: the health checks found the backend dead while this waited on it.
             journey.cut_off = True
-            outcome.done("timeout")
+            outcome.done("timeout", recovery="move" if call.idempotent else "none")
             journey.last_error = f"{backend.url} stopped answering its health checks"
             return None, None
         except BaseException:

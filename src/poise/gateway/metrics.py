@@ -170,9 +170,9 @@ class GatewayMetrics:
             self._routes.add(route)
         return route
 
-    def upstream_outcome(self, backend: Backend, outcome: str, first: bool) -> None:
+    def upstream_outcome(self, backend: Backend, outcome: str, first: bool, recovery: str) -> None:
         self.upstream.labels(backend.url, outcome).inc()
-        self.gw.success.attempted(backend.model, backend.url, outcome, first)
+        self.gw.success.attempted(backend.model, backend.url, outcome, first, recovery)
 
     def retry_budget_exhausted(self) -> None:
         self.budget_exhausted.inc()
@@ -188,7 +188,7 @@ class GatewayMetrics:
 
     def admission_refused(self, model: str, reason: str) -> None:
         self.shed.labels(model, reason).inc()
-        self.gw.success.refused(model)
+        self.gw.success.refused(model, reason)
 
     def stream_resumed(self, ok: bool, mode: str) -> None:
         self.resumes.labels("resumed" if ok else "failed", mode).inc()
@@ -276,9 +276,15 @@ class _LiveState(Collector):
             "component's measured failures over the last minute (terms in /debug/state).",
             labels=["model"],
         )
+        basis = GaugeMetricFamily(
+            "poise_gateway_predicted_success_requests",
+            "The requests of the last minute the predicted success probability is made from.",
+            labels=["model"],
+        )
         for model, e in gw.success.estimates().items():
             predicted.add_metric([model], e.probability)
-        yield predicted
+            basis.add_metric([model], e.requests)
+        yield from (predicted, basis)
         if gw.limits.shared is not None:  # only where Redis is configured
             yield GaugeMetricFamily(
                 "poise_gateway_ratelimit_redis_up",

@@ -41,7 +41,7 @@ class Outcome:
     def __init__(
         self,
         clock: Callable[[], float],
-        on_outcome: Callable[[Backend, str, bool], None],
+        on_outcome: Callable[[Backend, str, bool, str], None],
         pool: Pool,
         backend: Backend,
         permit: Permit,
@@ -65,9 +65,17 @@ class Outcome:
                 self.span.set_status(trace.StatusCode.ERROR, outcome)
             self.span.end()
 
-    def done(self, outcome: str, tokens: int | None = None, answered: bool = False) -> None:
+    def done(
+        self,
+        outcome: str,
+        tokens: int | None = None,
+        answered: bool = False,
+        recovery: str = "retry",
+    ) -> None:
         """``tokens``: the output tokens of a whole (non-streamed) answer, when it says;
-        ``answered``: the outcome is the status the backend answered with, before any output."""
+        ``answered``: the outcome is the status the backend answered with, before any output;
+        ``recovery``: what the gateway does about a failure (formula 2's odds): retry (within
+        policy and budget), move (at once, elsewhere), resume (a broken stream), none."""
         if self.closed:
             return
         self.closed = True
@@ -98,7 +106,7 @@ class Outcome:
             self.backend.breaker.record(self.permit, not failed, timing)
         if outcome != "deadline":
             self.pool.judge(self.backend, not failed, error_answer=answered)
-        self.on_outcome(self.backend, outcome, self.first)
+        self.on_outcome(self.backend, outcome, self.first, recovery)
 
     def abandon(self) -> None:
         if self.closed:

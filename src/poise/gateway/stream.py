@@ -32,6 +32,7 @@ from poise.gateway.upstream import Upstream
 from poise.protocol import TOKEN_NOTE_PREFIX, APIError, error_body, parse_token_note
 
 log = logging.getLogger("poise.gateway")
+MAX_RESUMES = 2  # continuations of one broken stream
 
 DONE_EVENT = b"data: [DONE]\n\n"
 _ERROR_EVENT = b'data: {"error"'
@@ -143,7 +144,7 @@ async def relay(
     upstream: Upstream,
     idle_s: float,
     resume: Resume | None = None,
-    max_resumes: int = 2,
+    max_resumes: int = MAX_RESUMES,
     on_resume: Callable[[bool, str], None] | None = None,
     position: StreamPosition | None = None,
 ) -> AsyncIterator[bytes]:
@@ -227,8 +228,11 @@ async def relay(
             failed = current.backend
             where = failed.url if failed else "the backend"
             log.warning("stream from %s broke after it began: %s", where, exc)
-            current.outcome.done("error")
-            if resume is None or not position.can_resume() or position.resumes >= max_resumes:
+            resumable = (
+                resume is not None and position.can_resume() and position.resumes < max_resumes
+            )
+            current.outcome.done("error", recovery="resume" if resumable else "none")
+            if not resumable:
                 position.failed = f"the backend failed mid-stream: {exc}"
                 yield _error_event(502, position.failed)
                 return
@@ -283,7 +287,7 @@ async def relay_as_is(
     except (aiohttp.ClientError, StreamBrokeError) as exc:
         where = upstream.backend.url if upstream.backend else "the backend"
         log.warning("stream from %s broke after it began: %s", where, exc)
-        upstream.outcome.done("error")
+        upstream.outcome.done("error", recovery="none")  # never resumed
         position.failed = f"the backend failed mid-stream: {exc}"
         body = error_body(502, position.failed, code="upstream_error")
         yield b"data: " + json.dumps(body).encode() + b"\n\n"

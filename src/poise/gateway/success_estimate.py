@@ -11,11 +11,13 @@ Redis, each turn to the answer cache. Read by ``/metrics`` (the estimate per mod
 from __future__ import annotations
 
 import bisect
+import secrets
 from collections import deque
 from collections.abc import Callable
 
 from poise.gateway.config import GatewaySettings
 from poise.gateway.record import RequestRecord
+from poise.gateway.stream import MAX_RESUMES
 from poise.resilience.success import (
     LATENCY_BOUNDS,
     Estimate,
@@ -25,10 +27,13 @@ from poise.resilience.success import (
 )
 
 WINDOW_S = 60.0  # the live estimate's memory: a minute, as a rate over 1m would be
-SLOT_S = 5.0  # the window moves by this much
+SLOT_S = 5.0  # the window moves by this much: it spans the last 60 to 65 s
+REFRESH_S = 1.0  # an estimate is computed at most this often (a scrape, /debug/state polls)
 # Attempt verdicts that count against a backend; "overloaded" is a 429; "deadline" is the
 # request's own time running out (the deadline term's), not the backend's.
 _FAILED = frozenset({"error", "timeout", "connect_error"})
+# How each failure is recovered (``Outcome.done``'s ``recovery``), as BackendCounts counts it.
+_RECOVERED_BY = {"retry": "failed", "move": "moved", "resume": "broken", "none": "final"}
 # Request outcomes that are neither a success nor the system's failure: the client's doing (a
 # request over its key's quota included).
 _NOT_COUNTED = frozenset({"client_error", "client_gone", "rate_limited"})
@@ -42,6 +47,7 @@ def policy_of(settings: GatewaySettings) -> SuccessPolicy:
         budget_ratio=r.budget_ratio,
         budget_min_per_s=r.budget_min_per_s,
         budget_window_s=r.budget_window_s,
+        max_resumes=MAX_RESUMES,
         fallbacks={name: tuple(m.fallback) for name, m in settings.models.items()},
     )
 
@@ -51,8 +57,9 @@ class SuccessTallies:
         self.policy = policy
         self.clock = clock
         self.started = clock()
-        self._totals = Tally()
+        self._totals = Tally(boot=secrets.token_hex(8))
         self._slots: deque[tuple[float, Tally]] = deque()
+        self._estimated: tuple[float, dict[str, Estimate]] | None = None
 
     def _tallies(self) -> tuple[Tally, Tally]:
         """The running totals and the current slot, where an event is counted."""
@@ -73,36 +80,43 @@ class SuccessTallies:
             m.requests += 1
             if outcome == "ok" and record.e2e_s is not None:
                 m.latency[bisect.bisect_left(LATENCY_BOUNDS, record.e2e_s)] += 1
-            elif outcome == "no_backend":
-                m.unroutable += 1
             elif outcome == "timeout":
                 m.missed_deadline += 1
 
-    def refused(self, model: str) -> None:
-        """The admission queue refused a request (it ends as one more ``finished``)."""
+    def refused(self, model: str, reason: str) -> None:
+        """The admission queue refused a request (it ends as one more ``finished``). One whose
+        deadline passed while it waited ends as a timeout: the deadline term counts it."""
+        if reason == "deadline":
+            return
         for tally in self._tallies():
             tally.model(model).refused += 1
 
-    def attempted(self, model: str, backend: str, outcome: str, first: bool) -> None:
-        if outcome not in _FAILED and outcome not in ("ok", "overloaded"):
-            return
+    def sent(self, model: str, routed: bool) -> None:
+        """A request was sent to the model's pool (``routed``: it found a backend there)."""
+        for tally in self._tallies():
+            m = tally.model(model)
+            m.sent += 1
+            m.unroutable += not routed
+
+    def attempted(self, model: str, backend: str, outcome: str, first: bool, recovery: str) -> None:
+        if outcome == "ok":
+            kind = "ok"
+        elif outcome == "overloaded":
+            kind = "overloaded" if recovery == "move" else "final"
+        elif outcome in _FAILED:
+            kind = _RECOVERED_BY[recovery]
+        else:
+            return  # the request's deadline: not the backend's doing
         for tally in self._tallies():
             b = tally.model(model).backend(backend)
             b.first += first
-            if outcome == "ok":
-                b.ok += 1
-            elif outcome == "overloaded":
-                b.overloaded += 1
-            else:
-                b.failed += 1
+            setattr(b, kind, getattr(b, kind) + 1)
 
     def limits_checked(self, redis_answered: bool) -> None:
         """A rate-limit check with Redis configured: Redis answered it, or the local limits."""
         for tally in self._tallies():
             tally.redis_checks += 1
-            if not redis_answered:
-                tally.redis_failed += 1
-                tally.redis_fell_back += 1
+            tally.redis_failed += not redis_answered
 
     def cache_tried(self, model: str, answered: bool) -> None:
         for tally in self._tallies():
@@ -127,8 +141,12 @@ class SuccessTallies:
         """Everything since the gateway started; ``seconds``: its time since."""
         out = Tally()
         out.add(self._totals)
-        out.seconds = self.clock() - self.started
+        out.seconds = self.clock() - self.started  # add() took the boot
         return out
 
     def estimates(self) -> dict[str, Estimate]:
-        return estimate(self.window(), self.policy)
+        """Formula 2 per model over the window, computed at most once each ``REFRESH_S``."""
+        now = self.clock()
+        if self._estimated is None or now - self._estimated[0] >= REFRESH_S:
+            self._estimated = (now, estimate(self.window(), self.policy))
+        return self._estimated[1]

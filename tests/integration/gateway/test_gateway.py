@@ -341,7 +341,8 @@ def test_gateway_metrics_move_by_exactly_what_happened(gateway, replicas):
     assert (est_m["requests"], est_m["refused"], est_m["backends"]) == (9, pytest.approx(1 / 9), 1)
     assert (est_r["backends"], est_r["with_fallbacks"], est_r["probability"]) == (0.0, 1.0, 1.0)
     counted = state["success_tally"]["models"]["r"]["backends"][failing.url]
-    assert counted == {"first": 1, "ok": 0, "failed": 2, "overloaded": 0}
+    assert counted == {"first": 1, "ok": 0, "failed": 2, "moved": 0, "overloaded": 0,
+                       "broken": 0, "final": 0}  # fmt: skip
 
 
 def test_one_json_log_line_per_request_without_the_prompt(gateway):
@@ -448,9 +449,10 @@ def test_the_autoscaling_advice_follows_the_load(gateway):
 def test_bench_predicts_the_success_its_clients_then_see(gateway, replicas, tmp_path):
     """Without retries, a request succeeds exactly when its one attempt does: formula 2 over
     the gateway's counts for the run must come out at the share bench saw succeed."""
-    failing = replicas[0]
-    failing.faults(fail_steps=10**6)  # every completion it is sent fails with a 500
+    flaky = replicas[0]
+    flaky.faults(fail_steps=3)  # its next 3 engine steps raise: the requests in them fail
     g = gateway(
+        models={"m": {"backends": [{"url": flaky.url}]}},
         retry={"max_retries": 0},
         breaker={"min_calls": 1000},
         ejection={"consecutive_failures": 1000},
@@ -467,7 +469,7 @@ def test_bench_predicts_the_success_its_clients_then_see(gateway, replicas, tmp_
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
     success = json.loads(results.read_text())["summary"]["success"]
-    assert 0.1 < success["observed"] < 0.9, success  # both replicas were tried
+    assert 0.5 < success["observed"] < 1.0, success  # 1 to 6 of 24 failed
     assert success["predicted"] == pytest.approx(success["observed"])
     assert success["terms"]["first_attempt"] == pytest.approx(success["observed"])
     assert "predicted" in out.stdout and "+0.00 pp" in out.stdout

@@ -112,9 +112,15 @@ CASES: dict[str, tuple[list[dict[str, str]], str, dict[str, str]]] = {
         {"instance": "g1", "model": "m"},
     ),
     "PoisePredictedSuccessBelowSLO": (
+        # Weighted by requests: (0.996 · 300 + 1 · 700) / 1000 = 0.9988.
         [
-            series("poise_gateway_predicted_success_probability", {"model": "m", "instance": i}, v)
-            for i, v in (("g1", "0.995x20"), ("g2", "0.999x20"))
+            series(name, {"model": "m", "instance": i}, v)
+            for name, i, v in (
+                ("poise_gateway_predicted_success_probability", "g1", "0.996x20"),
+                ("poise_gateway_predicted_success_requests", "g1", "300x20"),
+                ("poise_gateway_predicted_success_probability", "g2", "1x20"),
+                ("poise_gateway_predicted_success_requests", "g2", "700x20"),
+            )
         ],
         "15m",
         {"model": "m"},
@@ -219,6 +225,10 @@ def test_healthy_series_fire_nothing(tmp_path):
         series("poise_gateway_retry_budget_exhausted_total", {}, "0x400"),
         series("poise_gateway_ratelimit_redis_up", {}, "1x400"),
         series("poise_gateway_predicted_success_probability", {"model": "m"}, "0.9995x400"),
+        series("poise_gateway_predicted_success_requests", {"model": "m"}, "5000x400"),
+        # A quiet gateway's one failure among a handful: not enough to judge.
+        series("poise_gateway_predicted_success_probability", {"model": "q"}, "0.9x400"),
+        series("poise_gateway_predicted_success_requests", {"model": "q"}, "10x400"),
     ]
     checks = [
         {"eval_time": t, "alertname": name, "exp_alerts": []}

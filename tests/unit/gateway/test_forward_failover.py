@@ -427,3 +427,48 @@ async def test_a_slow_reader_does_not_make_its_backend_slow(backends):
     for _ in range(3):
         assert (await send(pool2, fwd2)).status == 200
     assert pool2.backends[0].breaker.state is BreakerState.CLOSED
+
+
+async def test_each_attempt_says_whether_it_was_first_and_what_recovers_its_failure(backends):
+    calls = 0
+
+    async def flaky(request: web.Request) -> web.Response:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            return web.json_response({"error": {"message": "boom"}}, status=500)
+        return await answer(request)
+
+    seen: list[tuple[str, str, bool, str]] = []
+    sent: list[tuple[str, bool]] = []
+
+    def watched(fwd: Forwarder) -> None:
+        fwd.on_outcome = lambda b, outcome, first, recovery: seen.append(
+            (b.url, outcome, first, recovery)
+        )
+        fwd.on_sent = lambda model, routed: sent.append((model, routed))
+
+    pool, fwd = await backends(flaky)
+    fwd.policy = RetryPolicy(max_retries=2, base_s=0.001, cap_s=0.002)
+    watched(fwd)
+    assert (await send(pool, fwd)).status == 200
+    url = pool.backends[0].url
+    assert seen == [(url, "error", True, "retry"), (url, "ok", False, "none")]
+    assert sent == [("m", True)]  # one request sent to the pool, whatever its attempts
+
+    pool, fwd = await backends(refuse, answer)
+    watched(fwd)
+    seen.clear()
+    while not seen or seen[0][1] != "overloaded":  # until the first pick is the one refusing
+        seen.clear()
+        assert (await send(pool, fwd)).status == 200
+    assert seen == [
+        (pool.backends[0].url, "overloaded", True, "move"),
+        (pool.backends[1].url, "ok", False, "none"),
+    ]
+    # No backend lets a call through: the request found none to send to.
+    for b in pool.backends:
+        b.breaker._open()  # as a breaker tripped by failures
+    with pytest.raises(APIError):
+        await send(pool, fwd)
+    assert sent[-1] == ("m", False)

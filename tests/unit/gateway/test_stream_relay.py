@@ -20,10 +20,12 @@ from poise.resilience.breaker import BreakerConfig, CircuitBreaker
 class FakeOutcome:
     def __init__(self) -> None:
         self.result: str | None = None
+        self.recovery: str | None = None  # what the gateway does about a failure
         self.timer = None
 
-    def done(self, outcome: str) -> None:
-        self.result = self.result or outcome
+    def done(self, outcome: str, recovery: str = "retry") -> None:
+        if self.result is None:
+            self.result, self.recovery = outcome, recovery
 
     def abandon(self) -> None:
         self.result = self.result or "abandoned"
@@ -101,7 +103,8 @@ async def test_a_broken_noted_stream_resumes_from_what_the_client_has():
     assert position.token_ids == [5, 6, 7, 8] and position.text_chars == 6
     assert texts(raw) == ["abc", "de", "f"] and raw.endswith(b"data: [DONE]\n\n")
     assert b'"error"' not in raw and resumed == [True]
-    assert first.outcome.result == "error"
+    # Formula 2 counts the break as a failure a resume recovers, not a retry.
+    assert (first.outcome.result, first.outcome.recovery) == ("error", "resume")
 
 
 async def test_an_error_event_from_a_dying_engine_is_resumed_too():
@@ -141,6 +144,7 @@ async def test_a_stream_without_notes_ends_with_an_explicit_error(resume_given):
     raw = await collect(relay(up, 5.0, resume if resume_given else None))
     assert texts(raw) == ["abc"]
     assert b"failed mid-stream" in raw and raw.endswith(b"data: [DONE]\n\n")
+    assert (up.outcome.result, up.outcome.recovery) == ("error", "none")  # nothing recovers it
 
 
 async def test_a_stalled_stream_is_a_break():

@@ -9,6 +9,8 @@ from poise.resilience.success import (
     BackendCounts,
     SuccessPolicy,
     Tally,
+    _walk,
+    _walk_by_last,
     estimate,
     increase,
     within_deadline,
@@ -24,7 +26,7 @@ def two_backends(
     """Requests split evenly between a and b, each failing its share of attempts."""
     t = Tally(seconds=seconds)
     m = t.model("m")
-    m.requests = requests
+    m.requests = m.sent = requests
     m.latency[SECOND] = requests
     for url, fails in (("a", a_fails), ("b", b_fails)):
         failed = round(1000 * fails)
@@ -68,7 +70,7 @@ def test_the_retry_budget_caps_what_retries_recover_under_load():
 def test_a_refusal_for_load_moves_outside_the_budget_to_an_untried_backend():
     t = Tally(seconds=1.0)
     m = t.model("m")
-    m.requests = m.latency[SECOND] = 10_000
+    m.requests = m.sent = m.latency[SECOND] = 10_000
     m.backends["a"] = BackendCounts(first=5000, overloaded=100)
     m.backends["b"] = BackendCounts(first=5000, ok=100)
     # The budget would allow 20 % of the failures; moves need none of it.
@@ -88,37 +90,38 @@ def test_a_timeout_shorter_than_the_latency_tail_loses_the_tail():
     assert p(t, timeout_s=5.0) == pytest.approx(0.9)
     assert p(t, timeout_s=7.5) == pytest.approx(0.95)  # halfway through the tail's bucket
     assert p(t, timeout_s=600.0) == 1.0
+    assert p(t) == 1.0  # each within its own deadline: every one that completed
     m.missed_deadline = 25  # and some ran out of time altogether
-    assert p(t, timeout_s=600.0) == pytest.approx(100 / 125)
+    assert p(t, timeout_s=600.0) == p(t) == pytest.approx(100 / 125)
     assert p(t, timeout_s=5.0) == pytest.approx(90 / 125)
 
 
 def test_redis_down_with_the_local_fallback_costs_nothing():
-    up = two_backends(0.0, 0.0)
+    up = two_backends(0.0, 0.4)
     up.redis_checks = 1000
-    down = two_backends(0.0, 0.0)
-    down.redis_checks = down.redis_failed = down.redis_fell_back = 1000
-    e = estimate(down, SuccessPolicy())["m"]
-    assert e.redis_unavailable == 1.0 and e.redis_recovered == 1.0
-    assert e.probability == p(up) == 1.0
-    # What the term would cost if the failed checks had not fallen back: each a failure.
-    down.redis_fell_back = 600
-    assert p(down) == pytest.approx(0.6)
+    down = two_backends(0.0, 0.4)
+    down.redis_checks = down.redis_failed = 1000
+    e = estimate(down, SuccessPolicy(max_retries=0))["m"]
+    assert e.redis_unavailable == 1.0  # seen: every check went to the local limits
+    assert e.probability == p(up, max_retries=0) == pytest.approx(0.5 + 0.5 * 0.6)
 
 
-def test_admission_and_unroutable_multiply():
+def test_admission_deadline_and_unroutable_multiply():
     t = two_backends(0.0, 0.0)
     m = t.model("m")
-    m.refused, m.unroutable = 10, 9  # of 100; 90 admitted
+    # Of 100 requests: 10 refused by the queue; of the 90 sent to the pool, 9 found no backend;
+    # 72 completed and 9 ran out of time.
+    m.refused, m.sent, m.unroutable, m.missed_deadline = 10, 90, 9, 9
+    m.latency[SECOND] = 72
     e = estimate(t, SuccessPolicy())["m"]
-    assert (e.refused, e.unroutable) == pytest.approx((0.1, 0.1))
-    assert e.probability == pytest.approx(0.9 * 0.9)
+    assert (e.refused, e.unroutable, e.within_deadline) == pytest.approx((0.1, 0.1, 72 / 81))
+    assert e.probability == pytest.approx(0.9 * 0.9 * 72 / 81)
 
 
 def test_fallback_models_and_the_cache_recover_what_the_pool_lost():
     t = two_backends(1.0, 1.0)  # model m: every attempt fails
     spare = t.model("spare")
-    spare.requests = spare.latency[SECOND] = 10
+    spare.requests = spare.sent = spare.latency[SECOND] = 10
     spare.backends["c"] = BackendCounts(first=10, ok=8, failed=2)
     once = {"max_retries": 0}
     assert p(t, **once) == 0.0
@@ -140,16 +143,22 @@ def test_within_deadline_counts_past_the_last_bound_as_completed():
 
 def test_increase_takes_the_growth_and_counts_a_restart_from_zero():
     def at(seconds: float, requests: int, ok: int) -> Tally:
-        t = Tally(seconds=seconds)
+        t = Tally(seconds=seconds, boot=boot)
         t.model("m").requests = requests
         t.model("m").backend("a").ok = ok
         return t
 
-    grown = increase([at(10, 100, 90), at(20, 150, 140), at(3, 7, 7), at(8, 20, 19)])
-    # 50 between the first two; a restart (its time went back): 7, then 13 more.
-    assert grown.models["m"].requests == 50 + 7 + 13
-    assert grown.models["m"].backends["a"].ok == 50 + 7 + 12
-    assert grown.seconds == 10 + 3 + 5
+    boot = "one"
+    first = [at(10, 100, 90), at(20, 150, 140)]
+    boot = "two"  # restarted: its time went back
+    second = [at(3, 7, 7), at(8, 20, 19)]
+    boot = "three"  # restarted, and up longer by the next reading than the last one was
+    third = [at(9, 4, 4)]
+    grown = increase([*first, *second, *third])
+    # 50 between the first two; then 7, and 13 more; then 4.
+    assert grown.models["m"].requests == 50 + 7 + 13 + 4
+    assert grown.models["m"].backends["a"].ok == 50 + 7 + 12 + 4
+    assert grown.seconds == 10 + 3 + 5 + 9
     assert Tally.from_dict(grown.as_dict()) == grown
     with pytest.raises(ValueError):
         Tally.from_dict({"models": {}})
@@ -162,9 +171,56 @@ rates = st.floats(0, 1)
 def test_more_retries_never_predict_less_when_the_budget_allows(a, b, c, retries):
     t = Tally(seconds=1000.0)
     m = t.model("m")
-    m.requests = m.latency[SECOND] = 100
+    m.requests = m.sent = m.latency[SECOND] = 100
     for url, fails, first in (("a", a, 50), ("b", b, 30), ("c", c, 20)):
         failed = round(100 * fails)
         m.backends[url] = BackendCounts(first=first, ok=100 - failed, failed=failed)
     fewer, more = p(t, max_retries=retries), p(t, max_retries=retries + 1)
     assert 0.0 <= fewer <= more + 1e-12 <= 1.0 + 1e-12
+
+
+def test_the_walk_follows_what_the_forwarder_can_do_about_each_failure():
+    def pool(**a_odds: int) -> Tally:
+        t = two_backends(0.0, 0.0)
+        t.model("m").backends["a"] = BackendCounts(first=50, **a_odds)
+        return t
+
+    # a fails half its attempts, b none; whatever a did, b answers what reaches it.
+    for kind in ("failed", "moved", "overloaded", "broken"):
+        assert p(pool(ok=50, **{kind: 50})) == 1.0, kind
+    # Nothing may retry a final failure (a non-retryable 5xx, a broken stream that cannot be
+    # resumed, a call that may not be sent twice).
+    assert p(pool(ok=50, final=50)) == pytest.approx(0.75)
+    # Retries are the policy's, moves off a dead backend and resumes are not.
+    assert p(pool(ok=50, failed=50), max_retries=0) == pytest.approx(0.75)
+    assert p(pool(ok=50, moved=50), max_retries=0) == 1.0
+    assert p(pool(ok=50, broken=50), max_retries=0) == 1.0
+    assert p(pool(ok=50, broken=50), max_retries=0, max_resumes=0) == pytest.approx(0.75)
+
+
+def test_a_large_pool_is_walked_in_bounded_time():
+    import time
+
+    t = Tally(seconds=60.0)
+    m = t.model("m")
+    m.requests = m.sent = m.latency[SECOND] = 6400
+    for i in range(64):
+        m.backends[f"b{i:02}"] = BackendCounts(first=100, ok=90, failed=5, overloaded=3, broken=2)
+    t0 = time.perf_counter()
+    e = estimate(t, SuccessPolicy(max_retries=10))["m"]
+    assert time.perf_counter() - t0 < 2.0
+    assert 0.99 < e.probability <= 1.0
+
+
+@given(rates, rates, st.integers(0, 4), st.integers(0, 2))
+def test_the_walk_by_the_last_backend_agrees_with_the_exact_one_on_two(a, b, retries, resumes):
+    # On two backends, "any but the last" is "the other": both walks take the same paths.
+    backends = {
+        "a": BackendCounts(first=60, ok=round(100 * (1 - a)), failed=round(60 * a),
+                           broken=round(40 * a)),
+        "b": BackendCounts(first=40, ok=round(100 * (1 - b)), failed=round(100 * b)),
+    }  # fmt: skip
+    policy = SuccessPolicy(max_retries=retries, max_resumes=resumes)
+    exact = _walk(backends, policy, 0.7)
+    by_last = _walk_by_last(backends, ("a", "b"), policy, 0.7)
+    assert by_last == pytest.approx(exact)
