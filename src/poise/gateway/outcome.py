@@ -82,9 +82,10 @@ class Outcome:
         self._end_span(outcome)
         now = self.clock()
         elapsed = now - self.started
-        if outcome == "deadline":
+        if outcome == "deadline" and (self.timer is None or not self.timer.count):
             # Silent until the request's time ran out: no failure, but a slow call if that
-            # silence reached slow_call_s (a hung backend must not escape every verdict).
+            # silence reached slow_call_s (a hung backend must not escape every verdict). A
+            # stream that was answering when the time ran out is timed as any stream.
             timing = CallTiming(elapsed, elapsed, None)
         elif self.timer is not None:
             # A stream: only the time spent waiting on the backend's reads is its own.

@@ -261,7 +261,7 @@ async def _handle(
         finally:
             ended()
             if position.failed:
-                record.outcome, record.error = "upstream_error", position.failed
+                record.outcome, record.error = _stream_outcome(position), position.failed
             used = _used_tokens(record, position, estimate - max_output_tokens(data))
             record.e2e_s = time.perf_counter() - record.arrived
             finish(gw, record, span)
@@ -344,3 +344,12 @@ def _used_tokens(record: RequestRecord, position: StreamPosition, prompt: float)
         record.output_tokens = transcript.events
         return prompt + transcript.events
     return None
+
+
+def _stream_outcome(position: StreamPosition) -> str:
+    """A stream that ended in an error: its backend's deadline passing is the request's time
+    running out; a 4xx is the client's; anything else, a failure upstream."""
+    status = position.failed_status
+    if status == 504:
+        return "timeout"
+    return "client_error" if status is not None and status < 500 else "upstream_error"

@@ -51,6 +51,9 @@ class StreamPosition:
     noted: bool = False  # the backend sends token notes: it can be resumed exactly
     resumes: int = 0
     failed: str | None = None  # the error event the stream ended with, if it did
+    # Its status, when the backend sent it and it ended the answer there (a deadline passing
+    # at the backend, say): the stream reached its end, but not an answer.
+    failed_status: int | None = None
     # The text sent, for a stream another engine may continue; None: only poise backends.
     transcript: Transcript | None = None
     # How the latest resume continued: "exact" (from the token position, on deterministic
@@ -200,6 +203,9 @@ async def relay(
                         if status in _RESUMABLE_ERRORS:
                             broke = f"the backend failed mid-stream ({status}): {message}"
                             break
+                        # Passed on as the backend's own word; the answer ends there.
+                        position.failed = f"the backend ended the stream ({status}): {message}"
+                        position.failed_status = status
                     if event == DONE_EVENT:
                         done = True
                     elif event.startswith(b"data: {"):
@@ -263,9 +269,18 @@ async def relay(
                 current.backend.movable.pop(current, None)
             current.close(reusable=ok)
             if ok:
-                current.outcome.done("ok")
+                current.outcome.done(*_verdict(position.failed_status))
             else:
                 current.outcome.abandon()  # no-op when already counted as an error
+
+
+def _verdict(status: int | None) -> tuple[str, str]:
+    """A whole stream's verdict on its backend (and what could recover it): the error it ended
+    with, if any. A 504 is the request's deadline passing there, a 4xx the request's own fault:
+    neither is the backend's."""
+    if status is None or status < 500:
+        return "ok", "none"
+    return ("deadline", "none") if status == 504 else ("error", "none")
 
 
 async def relay_as_is(

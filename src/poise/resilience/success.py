@@ -486,6 +486,7 @@ class RunSuccess:
     model: str | None = None  # the model the prediction is for
     terms: dict[str, Any] | None = None  # the estimate, term by term
     difference_pp: float | None = None  # predicted minus observed, in percentage points
+    counts: dict[str, Any] | None = None  # the model's counts over the run, the terms' inputs
 
     @classmethod
     def of(
@@ -494,9 +495,10 @@ class RunSuccess:
         observed: float | None,
         model: str | None = None,
         terms: dict[str, Any] | None = None,
+        counts: dict[str, Any] | None = None,
     ) -> RunSuccess:
         diff = None if predicted is None or observed is None else 100 * (predicted - observed)
-        return cls(predicted, observed, model, terms, diff)
+        return cls(predicted, observed, model, terms, diff, counts)
 
 
 def run_success(
@@ -512,10 +514,12 @@ def run_success(
     observed = succeeded / counted if counted > 0 else None
     if policy is None or len(tallies) < 2:
         return RunSuccess.of(None, observed)
-    estimates = estimate(increase(tallies), policy)
+    grown = increase(tallies)
+    estimates = estimate(grown, policy)
     if not estimates:
         return RunSuccess.of(None, observed)
     if model not in estimates:
         model = max(estimates, key=lambda name: estimates[name].requests)
     e = estimates[model]
-    return RunSuccess.of(e.probability, observed, model, e.as_dict())
+    counts = asdict(grown.models[model])
+    return RunSuccess.of(e.probability, observed, model, e.as_dict(), counts)

@@ -313,3 +313,22 @@ def test_a_resume_counts_as_exact_only_between_replicas_of_one_arithmetic():
     fresh.resumes = 1
     fresh.produced_by(plain)  # not deterministic
     assert resumed_mode(True, fresh.numerics, plain) == "position"
+
+
+async def test_a_stream_the_backend_ends_with_its_own_error_is_not_an_answer():
+    # A poise replica whose deadline header ran out ends the stream with a 504 event: the client
+    # gets no answer; the request ran out of time, which is not its backend's failure.
+    timed_out = (
+        b'data: {"error":{"message":"the request\'s deadline passed before it completed",'
+        b'"code":"timeout"},"status_code":504}'
+    )
+    up = upstream([token_note([1], 1) + event("a"), timed_out + b"\n\n" + b"data: [DONE]\n\n"])
+
+    async def resume(position, failed):  # pragma: no cover - must not be called
+        raise AssertionError("a deadline that passed is not resumed")
+
+    position = StreamPosition()
+    raw = await collect(relay(up, 5.0, resume, position=position))
+    assert b"deadline passed" in raw and raw.endswith(b"data: [DONE]\n\n")
+    assert position.failed_status == 504 and "deadline passed" in (position.failed or "")
+    assert up.outcome.result == "deadline"
