@@ -73,6 +73,10 @@ def test_the_scenario_loses_nothing_hangs_nothing_and_leaks_nothing(run):
     steady = run["by_traffic"]["steady"]
     # The steady clients were served: a fault costs at most a few of them, never most.
     assert steady["completed"] >= 0.9 * steady["sent"], why
+    # Formula 2 for the run, from the gateway's own counts of it, beside what the clients saw.
+    success = run["success"]
+    assert success["model"] == "demo" and 0.0 <= success["predicted"] <= 1.0, why
+    assert success["counts"]["requests"] > 0 and success["difference_pp"] is not None, why
     check = SIGNATURES.get(run["scenario"])
     if check is not None:
         check(run)
