@@ -53,8 +53,12 @@ async def completions(request):
 async def ok(request):
     return Response("ok")
 
+async def models(request):  # what the gateway's checks ask a server of no known engine
+    return JSONResponse({"object": "list", "data": [{"id": "m", "object": "model"}]})
+
 app = Starlette(routes=[Route("/v1/completions", completions, methods=["POST"]),
-                        Route("/health", ok), Route("/metrics", ok)])
+                        Route("/v1/models", models), Route("/health", ok),
+                        Route("/metrics", ok)])
 uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), log_level="warning", access_log=False)
 """
 
