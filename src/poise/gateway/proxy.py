@@ -347,9 +347,7 @@ def _used_tokens(record: RequestRecord, position: StreamPosition, prompt: float)
 
 
 def _stream_outcome(position: StreamPosition) -> str:
-    """A stream that ended in an error: its backend's deadline passing is the request's time
-    running out; a 4xx is the client's; anything else, a failure upstream."""
-    status = position.failed_status
-    if status == 504:
-        return "timeout"
-    return "client_error" if status is not None and status < 500 else "upstream_error"
+    """A stream that ended in an error: a deadline passing is the request's time running out;
+    anything else, a failure upstream (a request accepted with 200 and ended by an error is
+    no answer, whatever status the error says: some engines say 400 for their own failures)."""
+    return "timeout" if position.failed_status == 504 else "upstream_error"

@@ -166,7 +166,8 @@ async def relay(
             timer = current.outcome.timer
             async for batch in _batches(current, idle_s):
                 fast = transcript is None and not position.noted
-                if fast and not batch.startswith(TOKEN_NOTE_PREFIX):
+                # An error event is read whatever the path: it ends the answer.
+                if fast and not batch.startswith(TOKEN_NOTE_PREFIX) and _ERROR_EVENT not in batch:
                     if timer is not None:
                         timer.tokens(batch.count(b"data: {"))  # an event a token, about
                     done = done or batch.rstrip().endswith(DONE_EVENT.rstrip())
@@ -206,6 +207,7 @@ async def relay(
                         # Passed on as the backend's own word; the answer ends there.
                         position.failed = f"the backend ended the stream ({status}): {message}"
                         position.failed_status = status
+                        done = True
                     if event == DONE_EVENT:
                         done = True
                     elif event.startswith(b"data: {"):
@@ -234,6 +236,11 @@ async def relay(
             failed = current.backend
             where = failed.url if failed else "the backend"
             log.warning("stream from %s broke after it began: %s", where, exc)
+            if position.failed_status is not None:
+                # Its backend had already ended the answer with an error: nothing to resume.
+                current.outcome.done(*_verdict(position.failed_status))
+                yield DONE_EVENT
+                return
             resumable = (
                 resume is not None and position.can_resume() and position.resumes < max_resumes
             )
@@ -249,6 +256,7 @@ async def relay(
                 if on_resume is not None:
                     on_resume(False, position.mode)
                 position.failed = f"the backend failed mid-stream and could not be resumed: {err}"
+                position.failed_status = err.status  # a deadline passing: the request's 504
                 yield _error_event(err.status, position.failed)
                 return
             if on_resume is not None:
@@ -276,8 +284,8 @@ async def relay(
 
 def _verdict(status: int | None) -> tuple[str, str]:
     """A whole stream's verdict on its backend (and what could recover it): the error it ended
-    with, if any. A 504 is the request's deadline passing there, a 4xx the request's own fault:
-    neither is the backend's."""
+    with, if any. A 504 is the request's deadline passing there, a 4xx not a sign of its health:
+    neither counts against it."""
     if status is None or status < 500:
         return "ok", "none"
     return ("deadline", "none") if status == 504 else ("error", "none")

@@ -167,7 +167,7 @@ class Tally:
                 models,
                 int(d["redis_checks"]),
                 int(d["redis_failed"]),
-                str(d["boot"]),
+                str(d.get("boot", "")),
             )
         except (KeyError, TypeError, AttributeError) as exc:
             raise ValueError(f"not a success tally: {exc}") from None
@@ -341,7 +341,9 @@ def _budget_grant(tally: Tally, policy: SuccessPolicy) -> float:
     return min(1.0, max(floor, policy.budget_ratio * admitted) / wanted)
 
 
-EXACT_PATHS = 5000  # the most paths (backends ** (max_retries + 1)) walked one by one
+EXACT_BACKENDS = 6  # the most backends a pool may have for the walk that remembers them all
+EXACT_PATHS = 5000  # ... and the most paths (backends ** (max_retries + 1)) it may walk
+MAX_MOVES = 2  # moves off dead backends the walk follows in one journey
 
 
 def _walk(
@@ -352,15 +354,16 @@ def _walk(
     its odds.
 
     A path is cut where the forwarder stops: ``max_retries`` retries and moves for load,
-    ``max_resumes`` resumes of a broken stream; moves off a backend found dead go to a backend
-    not yet tried. The walk remembers every backend a journey tried (a refusal for load moves
-    only to one not tried) while the paths number at most ``EXACT_PATHS``; beyond, it is
-    ``_walk_by_last``'s, which remembers only the last.
+    ``max_resumes`` resumes of a broken stream (and ``MAX_MOVES`` moves off dead backends,
+    which the forwarder bounds only by the deadline). The walk remembers every backend a
+    journey tried (a refusal for load moves only to one not tried) for pools of at most
+    ``EXACT_BACKENDS`` backends and ``EXACT_PATHS`` paths: its states are the subsets of the
+    backends. Beyond, it is ``_walk_by_last``'s, which remembers only the last.
     """
     urls = tuple(sorted(u for u, b in backends.items() if b.attempts > 0))
     if not urls:
         return 1.0, 0.0  # no attempt made: nothing has failed
-    if len(urls) ** (policy.max_retries + 1) > EXACT_PATHS:
+    if len(urls) > EXACT_BACKENDS or len(urls) ** (policy.max_retries + 1) > EXACT_PATHS:
         return _walk_by_last(backends, urls, policy, grant)
     odds = {
         u: tuple(n / b.attempts for n in (b.ok, b.failed, b.moved, b.overloaded, b.broken))
@@ -389,19 +392,20 @@ def _walk(
             others = tuple(v for v in urls if v != u) or (u,)
             untried = tuple(v for v in urls if v != u and v not in tried)
             s, a = ok, 0.0
-            if retries < policy.max_retries:
+            # Only the branches a backend's odds can take: a healthy pool is walked at once.
+            if failed and retries < policy.max_retries:
                 sub_s, sub_a = attempt(others, now_tried, retries + 1, resumes, moves)
                 s += failed * grant * sub_s
                 a += failed * (1 + grant * sub_a)
-                if untried:
-                    sub_s, sub_a = attempt(untried, now_tried, retries + 1, resumes, moves)
-                    s += overloaded * sub_s
-                    a += overloaded * sub_a
-            if untried and moves < len(urls):
-                sub_s, sub_a = attempt(untried, now_tried, retries, resumes, moves + 1)
+            if overloaded and untried and retries < policy.max_retries:
+                sub_s, sub_a = attempt(untried, now_tried, retries + 1, resumes, moves)
+                s += overloaded * sub_s
+                a += overloaded * sub_a
+            if moved and moves < MAX_MOVES:  # as after a failure: anyone but the last
+                sub_s, sub_a = attempt(others, now_tried, retries, resumes, moves + 1)
                 s += moved * sub_s
                 a += moved * sub_a
-            if resumes < policy.max_resumes:
+            if broken and resumes < policy.max_resumes:
                 # A new journey, on another backend, with the retries of a new one.
                 sub_s, sub_a = attempt(others, frozenset({u}), 0, resumes + 1, moves)
                 s += broken * sub_s
@@ -413,9 +417,6 @@ def _walk(
     return attempt(urls, frozenset(), 0, 0, 0)
 
 
-APPROXIMATE_MOVES = 2  # moves off dead backends one journey makes, in the walk by the last
-
-
 def _walk_by_last(
     backends: dict[str, BackendCounts],
     urls: tuple[str, ...],
@@ -423,10 +424,9 @@ def _walk_by_last(
     grant: float,
 ) -> tuple[float, float]:
     """``_walk`` for a large pool or many retries, remembering only the last backend tried:
-    every next attempt (a move for load or off a dead backend too) goes to any backend but the
-    last, and a journey follows at most ``APPROXIMATE_MOVES`` moves off dead backends. A
-    state's odds are then the same for every backend but the last, so each state costs one
-    pass over the backends: O(backends · retries · resumes · moves)."""
+    every next attempt (a move for load too) goes to any backend but the last. A state's odds
+    are then the same for every backend but the last, so each state costs one pass over the
+    backends: O(backends · retries · resumes · moves)."""
     counts = [backends[u] for u in urls]
     weights = [b.first for b in counts]
     if not any(weights):
@@ -446,7 +446,7 @@ def _walk_by_last(
                 sub_s, sub_a = elsewhere(j, retries + 1, resumes, moves)
                 s += failed * grant * sub_s + overloaded * sub_s
                 a += failed * (1 + grant * sub_a) + overloaded * sub_a
-            if moves < APPROXIMATE_MOVES:
+            if moves < MAX_MOVES:
                 sub_s, sub_a = elsewhere(j, retries, resumes, moves + 1)
                 s, a = s + moved * sub_s, a + moved * sub_a
             if resumes < policy.max_resumes:

@@ -332,3 +332,18 @@ async def test_a_stream_the_backend_ends_with_its_own_error_is_not_an_answer():
     assert b"deadline passed" in raw and raw.endswith(b"data: [DONE]\n\n")
     assert position.failed_status == 504 and "deadline passed" in (position.failed or "")
     assert up.outcome.result == "deadline"
+
+
+async def test_an_error_ended_stream_is_read_on_the_fast_path_and_never_resumed():
+    # No notes, no transcript: the relay passes batches on unread, but not an error event.
+    ended = b'data: {"error":{"message":"bad grammar state","code":400},"status_code":400}'
+    up = upstream([event("abc"), ended + b"\n\n"], httpx.ReadError("reset"))  # then it drops
+
+    async def resume(position, failed):  # pragma: no cover - must not be called
+        raise AssertionError("an answer its backend ended is not resumed")
+
+    position = StreamPosition()
+    raw = await collect(relay(up, 5.0, resume, position=position))
+    assert texts(raw) == ["abc"] and b"bad grammar state" in raw
+    assert raw.endswith(b"data: [DONE]\n\n") and raw.count(b'"error"') == 1
+    assert position.failed_status == 400 and up.outcome.result == "ok"  # not its health

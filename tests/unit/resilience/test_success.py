@@ -216,8 +216,8 @@ def test_a_large_pool_is_walked_in_bounded_time():
 def test_the_walk_by_the_last_backend_agrees_with_the_exact_one_on_two(a, b, retries, resumes):
     # On two backends, "any but the last" is "the other": both walks take the same paths.
     backends = {
-        "a": BackendCounts(first=60, ok=round(100 * (1 - a)), failed=round(60 * a),
-                           broken=round(40 * a)),
+        "a": BackendCounts(first=60, ok=round(100 * (1 - a)), failed=round(50 * a),
+                           moved=round(20 * a), broken=round(30 * a)),
         "b": BackendCounts(first=40, ok=round(100 * (1 - b)), failed=round(100 * b)),
     }  # fmt: skip
     policy = SuccessPolicy(max_retries=retries, max_resumes=resumes)
