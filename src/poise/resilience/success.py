@@ -30,7 +30,8 @@ same requests (a ``Tally``):
     the first attempts; each attempt's outcome is independent of the last's;
   - a 429 moves the request at once, outside the budget, to a backend it has not tried (none
     left: it fails); moves count against ``max_retries`` as retries do, as in the forwarder;
-  - a cut-off moves it at once, outside policy and budget, to a backend it has not tried;
+  - a cut-off moves it at once, outside policy and budget, to another backend (the walk
+    follows ``MAX_MOVES`` such moves a journey; the forwarder, as many as the deadline allows);
   - a broken stream is resumed on another backend, at most ``max_resumes`` times, as a new
     journey with retries of its own;
   - ``g = min(1, allowance / wanted)``: the retries the budget allows over the tally's span S,
@@ -48,8 +49,9 @@ too). What the gateway cannot see, such as a connection to the gateway itself br
 outside it.
 
 Pure: the caller tallies what happened (``Tally``) and gives the policy. The walk over backends
-follows every path of attempts while there are at most ``EXACT_PATHS`` of them, and otherwise
-remembers only the last backend tried (``_walk_by_last``), whose cost is linear in backends.
+follows every path of attempts for pools of up to ``EXACT_BACKENDS`` backends and
+``EXACT_PATHS`` paths, and otherwise remembers only the last backend tried
+(``_walk_by_last``), whose cost is linear in backends.
 """
 
 from __future__ import annotations
