@@ -265,9 +265,12 @@ def estimate(tally: Tally, policy: SuccessPolicy) -> dict[str, Estimate]:
         if m.requests <= 0:
             continue
         chain = [name, *policy.fallbacks.get(name, ())]
-        # A fallback model whose pool was sent nothing in the tally has shown nothing: 0.
+        # A pool sent nothing in the tally has shown nothing: it recovers nothing.
         all_fail = math.prod(
-            1 - _routed(tally.models[n], walks[n][0]) if n in tally.models else 1.0 for n in chain
+            1 - _routed(tally.models[n], walks[n][0])
+            if n in tally.models and tally.models[n].sent > 0
+            else 1.0
+            for n in chain
         )
         p_admission = _share(m.refused, m.requests)
         within = within_deadline(m.latency, m.missed_deadline, policy.timeout_s)

@@ -129,8 +129,11 @@ def test_fallback_models_and_the_cache_recover_what_the_pool_lost():
     t.model("m").cache_tried, t.model("m").cache_answered = 10, 5
     assert p(t, **once) == pytest.approx(0.5)
     assert p(t, fallbacks={"m": ("spare",)}, **once) == pytest.approx(1 - 0.2 * 0.5)
-    # A fallback model with no traffic of its own has shown nothing: it adds nothing.
-    assert p(t, fallbacks={"m": ("idle",)}, **once) == pytest.approx(0.5)
+    # A fallback model with no traffic of its own has shown nothing: it adds nothing; nor one
+    # whose requests were all refused by its queue (none was sent to its pool).
+    t.model("queued").requests = t.model("queued").refused = 5
+    for idle in ("idle", "queued"):
+        assert p(t, fallbacks={"m": (idle,)}, **once) == pytest.approx(0.5)
 
 
 def test_within_deadline_counts_past_the_last_bound_as_completed():
