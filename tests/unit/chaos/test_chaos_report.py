@@ -200,7 +200,7 @@ def gateway_state(seconds: float, requests: int, ok: int, failed: int) -> dict[s
     """A poise gateway's /debug/state, with its formula 2 counts since it started."""
     tally = Tally(seconds=seconds)
     m = tally.model("demo")
-    m.requests = m.latency[0] = requests
+    m.requests = m.sent = m.latency[0] = requests
     m.backends["http://r0"] = BackendCounts(first=requests, ok=ok, failed=failed)
     return {
         "role": "gateway",

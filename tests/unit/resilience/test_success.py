@@ -83,7 +83,7 @@ def test_a_refusal_for_load_moves_outside_the_budget_to_an_untried_backend():
 def test_a_timeout_shorter_than_the_latency_tail_loses_the_tail():
     t = Tally(seconds=100.0)
     m = t.model("m")
-    m.requests = 100
+    m.requests = m.sent = 100
     m.latency[SECOND] = 90  # within a second
     m.latency[TEN] = 10  # between 5 and 10 s
     m.backends["a"] = BackendCounts(first=100, ok=100)
