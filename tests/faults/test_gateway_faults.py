@@ -136,6 +136,10 @@ def test_retry_budget_caps_retries_while_one_replica_fails(gateway, pair):
             "cap_s": 1.0,
             "budget_ratio": 0.2,
             "budget_min_concurrent": 2,
+            # A short window with the floor of the default one (10 a 10 s window): the
+            # sequential requests below come after the burst's retries have left it.
+            "budget_window_s": 2.0,
+            "budget_min_per_s": 5.0,
         },
         # Keep the failing replica in rotation, so that every other request needs a retry:
         # no breaker, no ejection, and a liveness check that its failing steps do not fail.
@@ -161,7 +165,9 @@ def test_retry_budget_caps_retries_while_one_replica_fails(gateway, pair):
     assert refused > 0
     assert refused <= results.count(502) + results.count(429)
     assert peak <= max(2, math.floor(0.2 * 30)), peak
-    # Sequential requests are within the budget's minimum: all of them succeed.
+    # Sequential requests are within the budget's minimum: all of them succeed, once the
+    # burst's retries have left the budget's window (they were in it when the burst ran fast).
+    time.sleep(2.5)
     assert [post(g, SMALL)[0] for _ in range(6)] == [200] * 6
 
 
