@@ -57,46 +57,45 @@ class SuccessTallies:
         self.policy = policy
         self.clock = clock
         self.started = clock()
-        self._totals = Tally(boot=secrets.token_hex(8))
+        self.boot = secrets.token_hex(8)  # this run's: totals of another start from zero
         self._slots: deque[tuple[float, Tally]] = deque()
+        self._retired = Tally()  # the slots that have left the window, for the totals
         self._estimated: tuple[float, dict[str, Estimate]] | None = None
 
-    def _tallies(self) -> tuple[Tally, Tally]:
-        """The running totals and the current slot, where an event is counted."""
+    def _slot(self) -> Tally:
+        """The current slot, where an event is counted (once: the totals are summed on
+        reading)."""
         now = self.clock()
         if not self._slots or now - self._slots[-1][0] >= SLOT_S:
             self._slots.append((now, Tally()))
             while self._slots and now - self._slots[0][0] >= WINDOW_S + SLOT_S:
-                self._slots.popleft()
-        return self._totals, self._slots[-1][1]
+                self._retired.add(self._slots.popleft()[1])
+        return self._slots[-1][1]
 
     # ----- events -----
     def finished(self, record: RequestRecord) -> None:
         if record.model is None or record.outcome in _NOT_COUNTED:
             return
         outcome = record.outcome
-        for tally in self._tallies():
-            m = tally.model(record.model)
-            m.requests += 1
-            if outcome == "ok" and record.e2e_s is not None:
-                m.latency[bisect.bisect_left(LATENCY_BOUNDS, record.e2e_s)] += 1
-            elif outcome == "timeout":
-                m.missed_deadline += 1
+        m = self._slot().model(record.model)
+        m.requests += 1
+        if outcome == "ok" and record.e2e_s is not None:
+            m.latency[bisect.bisect_left(LATENCY_BOUNDS, record.e2e_s)] += 1
+        elif outcome == "timeout":
+            m.missed_deadline += 1
 
     def refused(self, model: str, reason: str) -> None:
         """The admission queue refused a request (it ends as one more ``finished``). One whose
         deadline passed while it waited ends as a timeout: the deadline term counts it."""
         if reason == "deadline":
             return
-        for tally in self._tallies():
-            tally.model(model).refused += 1
+        self._slot().model(model).refused += 1
 
     def sent(self, model: str, routed: bool) -> None:
         """A request was sent to the model's pool (``routed``: it found a backend there)."""
-        for tally in self._tallies():
-            m = tally.model(model)
-            m.sent += 1
-            m.unroutable += not routed
+        m = self._slot().model(model)
+        m.sent += 1
+        m.unroutable += not routed
 
     def attempted(self, model: str, backend: str, outcome: str, first: bool, recovery: str) -> None:
         if outcome == "ok":
@@ -107,22 +106,20 @@ class SuccessTallies:
             kind = _RECOVERED_BY[recovery]
         else:
             return  # the request's deadline: not the backend's doing
-        for tally in self._tallies():
-            b = tally.model(model).backend(backend)
-            b.first += first
-            setattr(b, kind, getattr(b, kind) + 1)
+        b = self._slot().model(model).backend(backend)
+        b.first += first
+        setattr(b, kind, getattr(b, kind) + 1)
 
     def limits_checked(self, redis_answered: bool) -> None:
         """A rate-limit check with Redis configured: Redis answered it, or the local limits."""
-        for tally in self._tallies():
-            tally.redis_checks += 1
-            tally.redis_failed += not redis_answered
+        tally = self._slot()
+        tally.redis_checks += 1
+        tally.redis_failed += not redis_answered
 
     def cache_tried(self, model: str, answered: bool) -> None:
-        for tally in self._tallies():
-            m = tally.model(model)
-            m.cache_tried += 1
-            m.cache_answered += answered
+        m = self._slot().model(model)
+        m.cache_tried += 1
+        m.cache_answered += answered
 
     # ----- readings -----
     def window(self) -> Tally:
@@ -139,9 +136,11 @@ class SuccessTallies:
 
     def totals(self) -> Tally:
         """Everything since the gateway started; ``seconds``: its time since."""
-        out = Tally()
-        out.add(self._totals)
-        out.seconds = self.clock() - self.started  # add() took the boot
+        out = Tally(boot=self.boot)
+        out.add(self._retired)
+        for _, slot in self._slots:
+            out.add(slot)
+        out.seconds = self.clock() - self.started
         return out
 
     def estimates(self) -> dict[str, Estimate]:

@@ -134,11 +134,11 @@ class Tally:
         return counts
 
     def add(self, other: Tally, sign: int = 1) -> None:
-        """Adds ``other``'s counts and time to these (``sign`` -1: takes them away)."""
+        """Adds ``other``'s counts and time to these (``sign`` -1: takes them away); the boot
+        stays this tally's."""
         self.seconds += sign * other.seconds
         self.redis_checks += sign * other.redis_checks
         self.redis_failed += sign * other.redis_failed
-        self.boot = other.boot if sign > 0 else self.boot
         for name, theirs in other.models.items():
             mine = self.model(name)
             _add_ints(mine, theirs, sign)
