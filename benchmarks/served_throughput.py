@@ -27,7 +27,6 @@ import argparse
 import asyncio
 import json
 import os
-import signal
 import statistics
 import subprocess
 import threading
@@ -41,7 +40,7 @@ from pathlib import Path
 import httpx
 
 from engine_throughput import DEFAULT_MODEL, Workload, workload_w1
-from poise.launcher import free_port, serve_argv
+from poise.launcher import free_port, serve_argv, stop_group
 
 ROOT = Path(__file__).resolve().parent.parent
 VLLM_PYTHON = ROOT / ".cache" / "vllm-venv" / "bin" / "python"
@@ -148,12 +147,7 @@ def running(sys_: System, port: int, log: Path) -> Iterator[tuple[str, str]]:
         yield base, _wait_ready(proc, base, sys_.name, log)
     finally:
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+            stop_group(proc, 30)
 
 
 async def _complete(client: httpx.AsyncClient, model: str, prompt: list[int], n: int) -> str:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import httpx
 
-from poise.launcher import free_port, serve_argv, stop_process, wait_ready
+from poise.launcher import free_port, serve_argv, stop_group, stop_process, wait_ready
 
 
 class ServerProcess:
@@ -133,9 +133,4 @@ def poise_up(
         try:
             yield proc, f"http://127.0.0.1:{port}"
         finally:
-            os.killpg(proc.pid, signal.SIGINT)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+            stop_group(proc, 60, signal.SIGINT)

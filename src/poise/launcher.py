@@ -100,6 +100,21 @@ def stop_process(proc: subprocess.Popen[bytes], timeout_s: float) -> int:
     return proc.returncode
 
 
+def stop_group(
+    proc: subprocess.Popen[bytes], timeout_s: float, sig: signal.Signals = signal.SIGTERM
+) -> int:
+    """``sig`` to the process group ``proc`` leads (started with ``start_new_session``: a
+    ``poise up`` and the servers it started), SIGKILL to the group if ``proc`` has not ended
+    within ``timeout_s``."""
+    os.killpg(proc.pid, sig)
+    try:
+        proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    return proc.returncode
+
+
 def answers_ok(url: str, timeout_s: float = 0.5) -> bool:
     try:
         return httpx.get(url, timeout=timeout_s).status_code == 200
