@@ -36,6 +36,8 @@ import httpx
 
 from poise.launcher import free_port, serve_argv, stop_process, wait_ready
 
+ROOT = Path(__file__).resolve().parent.parent
+VLLM_PYTHON = ROOT / ".cache" / "vllm-venv" / "bin" / "python"
 TTFT_SLO_S = 1.0
 TPOT_SLO_S = 0.100
 PROMPT_TOKENS = 256
@@ -85,6 +87,10 @@ class RunReport:
     client_lag_p99_ms: float = 0.0  # the load generator's own event-loop lag
     # The replica's own view of a refusal (app entry to 429), as the bucket bound of its p99.
     server_reject_p99_ms: float | None = None
+    # Refusals that would have met the SLO, judged by the request admitted next after each:
+    # the refused one would have started just ahead of it, so no later than it did.
+    false_refusals: int = 0
+    refusals_judged: int = 0
 
 
 def pct(values: list[float], q: float) -> float | None:
@@ -194,6 +200,7 @@ async def run_load(
             for sent_at, r in zip(sent_times, results, strict=False):
                 if r.status == 200 and not r.good:
                     print(f"  miss sent {sent_at:.2f}s ttft {r.ttft_s:.2f}s tpot {r.tpot_s}")
+        false, judged = judge_refusals(sent_times, results)
         stop.set()
         await lagger
         if prober is not None:
@@ -225,7 +232,33 @@ async def run_load(
         ),
         probe_p99_ms={k: pct(v, 0.99) or 0.0 for k, v in probes.items()},
         client_lag_p99_ms=pct(lags, 0.99) or 0.0,
+        false_refusals=false,
+        refusals_judged=judged,
     )
+
+
+def judge_refusals(sent_times: list[float], results: list[Result]) -> tuple[int, int]:
+    """(false refusals, refusals judged): a refusal is judged by the first request admitted
+    after it, within 2 s; had it been admitted it would have started no later than that one,
+    so where that one met the SLO, the refused one would have too (an upper bound: admitting
+    it would also have delayed the next)."""
+    false = judged = 0
+    for i, r in enumerate(results):
+        if r.status != 429:
+            continue
+        nxt = next(
+            (
+                results[j]
+                for j in range(i + 1, len(results))
+                if results[j].status == 200 and sent_times[j] - sent_times[i] <= 2.0
+            ),
+            None,
+        )
+        if nxt is None:
+            continue
+        judged += 1
+        false += nxt.good
+    return false, judged
 
 
 def refusal_buckets(url: str) -> dict[float, float]:
@@ -252,22 +285,34 @@ def bucket_p99_ms(before: dict[float, float], after: dict[float, float]) -> floa
 
 
 class Replica:
-    """One ``poise serve``, or with ``replicas`` a ``poise up`` (gateway and replicas)."""
+    """One ``poise serve``, or with ``replicas`` a ``poise up`` (gateway and replicas), or
+    with ``vllm`` vLLM's OpenAI server from the benchmark venv (its CPU build)."""
 
-    def __init__(self, model: str, flags: list[str], replicas: int = 0) -> None:
+    def __init__(self, model: str, flags: list[str], replicas: int = 0, vllm: bool = False) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.gateway = replicas > 0
+        self.vllm = vllm
         self.model = "demo" if self.gateway else Path(model).name
-        if self.gateway:
+        env = None
+        if vllm:
+            if not VLLM_PYTHON.exists():
+                raise SystemExit(f"no vLLM venv at {VLLM_PYTHON.parent.parent}")
+            env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": "0-1"}
+            cmd = [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+                   "--port", str(self.port), "--served-model-name", self.model,
+                   "--max-num-seqs", "64", "--no-enable-prefix-caching",
+                   *flags]  # fmt: skip
+        elif self.gateway:
             cmd = [sys.executable, "-m", "poise.cli", "up", "--model", model, "--replicas",
                    str(replicas), "--port", str(self.port), "--serve-flags",
                    " ".join(["--log-level", "warning", *flags])]  # fmt: skip
         else:
             cmd = serve_argv(model, self.port, "--log-level", "warning", *flags)
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=sys.stderr)
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=sys.stderr, env=env)
         try:
-            wait_ready(self.url + "/ready", self.proc, str, "the deployment", 300)
+            ready = "/health" if vllm else "/ready"
+            wait_ready(self.url + ready, self.proc, str, "the deployment", 600)
             if self.gateway:
                 self._wait_routable(replicas)
         except (TimeoutError, RuntimeError):
@@ -284,7 +329,7 @@ class Replica:
         raise TimeoutError("the gateway did not route to every replica")
 
     def refusals(self) -> dict[float, float]:
-        return {} if self.gateway else refusal_buckets(self.url)
+        return {} if self.gateway or self.vllm else refusal_buckets(self.url)
 
     def stop(self) -> None:
         stop_process(self.proc, 60)
@@ -348,7 +393,7 @@ def main() -> int:
     ap.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals per run")
     # As long as a run: a rate that only looks sustainable for 20 s is not the capacity.
     ap.add_argument("--sweep-duration", type=float, default=30.0)
-    ap.add_argument("--rates", default="6,8,10,12,14,16,18,20", help="capacity sweep, req/s")
+    ap.add_argument("--rates", default="4,6,8,10,12,14,16,18,20", help="capacity sweep, req/s")
     ap.add_argument("--capacity", type=float, help="skip the sweep and use this rate")
     ap.add_argument(
         "--deployment",
@@ -362,7 +407,12 @@ def main() -> int:
         default="",
         help="more flags for each poise serve (none by default: the defaults are measured)",
     )
-    ap.add_argument("--modes", default="on,off", help="admission modes to run, in order")
+    ap.add_argument(
+        "--modes",
+        default="on,off",
+        help="what to run at each multiple, in order: on (poise's defaults), off (poise with "
+        "admission and the step budget off), vllm (vLLM's CPU build from .cache/vllm-venv)",
+    )
     ap.add_argument("--mults", default="1,2,3", help="overload multiples of the capacity")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
@@ -414,9 +464,13 @@ def main() -> int:
         capacity = peak = args.capacity
 
     runs: list[RunReport] = []
-    modes = {"on": ("defaults", on), "off": ("protection off", off)}
+    modes = {
+        "on": ("defaults", on),
+        "off": ("protection off", off),
+        "vllm": ("vllm", ["--dtype", args.dtype]),
+    }
     for mode, flags in (modes[m] for m in args.modes.split(",") if m):
-        replica = Replica(args.model, flags, replicas)
+        replica = Replica(args.model, flags, replicas if mode != "vllm" else 0, mode == "vllm")
         try:
             run_async(run_load(replica.url, "warmup", 1.0, 5.0, 98, False, replica.model))
             for mult in (float(m) for m in args.mults.split(",")):
@@ -438,6 +492,7 @@ def main() -> int:
                     f"{rep.label}: goodput {rep.goodput_rps:.2f}/s, attainment "
                     f"{100 * rep.attainment:.1f}%, rejected {100 * rep.rejected_share:.1f}%, "
                     f"misses TTFT {rep.ttft_misses} TPOT {rep.tpot_misses}, "
+                    f"false refusals {rep.false_refusals}/{rep.refusals_judged}, "
                     f"TTFT p99 {fmt(rep.ttft_p99_s)}s TPOT p99 {fmt(rep.tpot_p99_ms, 1, 0)}ms",
                     flush=True,
                 )

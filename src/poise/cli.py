@@ -156,9 +156,16 @@ def _add_serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-waiting-requests", type=int)
     p.add_argument("--max-waiting-tokens", type=int)
     p.add_argument(
-        "--max-queue-wait-s",
+        "--queue-target-s",
         type=float,
-        help="refuse what is predicted to queue longer (default 0.3; 0: no such bound)",
+        help="while more requests arrive than start, refuse what is predicted to wait longer "
+        "than this (default 0.5; 0: never for the wait alone); a burst that drains is served",
+    )
+    p.add_argument(
+        "--burst-gap-s",
+        type=float,
+        help="requests arriving this close together into a calm queue are a burst, served "
+        "however long it makes the queue (default 0.02)",
     )
     p.add_argument(
         "--default-timeout-s",

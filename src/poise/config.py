@@ -73,11 +73,16 @@ class ServerSettings(BaseModel):
     admission_control: bool = True
     max_waiting_requests: int = Field(default=256, ge=1)
     max_waiting_tokens: int = Field(default=1 << 20, ge=1)
-    # On by default: a chat user's time to first token is budgeted at 1 s, 0.3 s of it for
-    # waiting in line and the rest for the prefill (in step-budgeted chunks) and first step;
-    # what is predicted to wait longer is refused at once (429, Retry-After) instead of
-    # queueing into a collapse. 0 turns the bound off (admission's other bounds stay).
-    max_queue_wait_s: float = Field(default=0.3, ge=0)
+    # While more requests arrive than start (a flood, not a burst that drains), a newcomer
+    # predicted to wait longer than this before it starts is refused at once (429,
+    # Retry-After): a chat user's time to first token is budgeted at 1 s, half of it for
+    # waiting in line. A queue that drains is served however long (each request's deadline
+    # still holds). 0: never refuse for the wait alone.
+    queue_target_s: float = Field(default=0.5, ge=0)
+    # A long queue that begins while arrivals are calm begins as a burst: requests that
+    # arrive this close to each other are its members and are not refused for their wait (a
+    # batch job's requests sent at once reach the server a millisecond or two apart).
+    burst_gap_s: float = Field(default=0.02, ge=0)
     # The deadline of a request that brings none (the gateway's total timeout; 0: none).
     default_timeout_s: float = Field(default=600.0, ge=0)
 

@@ -106,7 +106,7 @@ def test_deadline_expiry_is_504_and_frees_blocks(start_server):
 
 def test_slo_aware_admission_refuses_what_cannot_start_in_time(start_server):
     # A deliberate backlog, judged by the deadline alone: the queue-wait bound is off.
-    server = start_server("--max-num-seqs", "1", "--max-queue-wait-s", "0")
+    server = start_server("--max-num-seqs", "1", "--queue-target-s", "0")
     server.faults(step_delay_s=0.05)
     body = {"prompt": "hello", "max_tokens": 10, "ignore_eos": True}
     with ThreadPoolExecutor(6) as pool:  # teach it the start rate: about one per 0.5 s
@@ -178,7 +178,7 @@ def test_an_injected_error_status_fails_every_request_but_not_health(start_serve
 def test_priority_sheds_the_lowest_waiting_first(start_server):
     # A deliberate queue, bounded by its length alone: the queue-wait bound is off.
     server = start_server(
-        "--max-num-seqs", "1", "--max-waiting-requests", "1", "--max-queue-wait-s", "0"
+        "--max-num-seqs", "1", "--max-waiting-requests", "1", "--queue-target-s", "0"
     )
     server.faults(step_delay_s=0.05)
     body = {"prompt": "hello", "max_tokens": 20, "ignore_eos": True}
@@ -202,7 +202,7 @@ def test_priority_sheds_the_lowest_waiting_first(start_server):
 
 def test_generation_probe_does_not_queue_behind_user_work(start_server):
     # User work queued on purpose (the queue-wait bound off), for the probe to skip.
-    server = start_server("--max-num-seqs", "1", "--max-queue-wait-s", "0")
+    server = start_server("--max-num-seqs", "1", "--queue-target-s", "0")
     server.faults(step_delay_s=0.05)
     body = {"prompt": "hello", "max_tokens": 60, "ignore_eos": True}
     with ThreadPoolExecutor(3) as pool:

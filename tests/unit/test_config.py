@@ -8,12 +8,12 @@ from poise.config import ConfigError, load_settings
 def test_file_then_env_then_flags(tmp_path):
     f = tmp_path / "poise.yaml"
     f.write_text("model: /m\nport: 9000\nmax-num-seqs: 8\napi_keys: [a]\ndrain_timeout_s: 5\n")
-    env = {"POISE_PORT": "9100", "POISE_API_KEYS": "b, c", "POISE_MAX_QUEUE_WAIT_S": "0.5"}
+    env = {"POISE_PORT": "9100", "POISE_API_KEYS": "b, c", "POISE_QUEUE_TARGET_S": "0.4"}
     s = load_settings({"port": 9200, "host": None}, f, env)
     assert s.port == 9200  # flag over env over file
     assert s.api_keys == ["b", "c"]  # env over file
     assert s.max_num_seqs == 8 and s.drain_timeout_s == 5  # file
-    assert s.max_queue_wait_s == 0.5
+    assert s.queue_target_s == 0.4
     assert s.host == "127.0.0.1"  # an absent flag changes nothing
     assert s.model_name == "m"
 

@@ -21,7 +21,13 @@ import torch
 from poise.engine.config import EngineConfig
 from poise.engine.errors import InvalidRequestError
 from poise.engine.faults import FaultInjector
-from poise.engine.forecast import IDLE_FORECAST, SlotForecast, SlotForecaster
+from poise.engine.forecast import (
+    IDLE_FORECAST,
+    PoolView,
+    Running,
+    SlotForecast,
+    SlotForecaster,
+)
 from poise.engine.generation_config import load_generation_config
 from poise.engine.guided import GuidedMatchers
 from poise.engine.intake import IntakeLimits, RequestFactory, RequestOptions
@@ -252,6 +258,7 @@ class LLMEngine:
             forecast=self.forecast,
             max_running=self.scheduler.max_running,
             step_time_fit=None if self._step_budget is None else self._step_budget.line(),
+            kv=self.scheduler.kv_picture(),
         )
 
     # ----- one step -----
@@ -298,12 +305,23 @@ class LLMEngine:
         for o in outputs:
             if o.finished and o.outputs[0].finish_reason in ("stop", "length"):
                 self._forecaster.observe_finished(len(o.outputs[0].token_ids))
-        running = self.scheduler.running
         self.forecast = self._forecaster.forecast(
-            ((len(r.output_token_ids), r.max_tokens) for r in running if not r.is_probe),
+            (
+                Running(
+                    len(r.output_token_ids),
+                    r.max_tokens,
+                    r.priority,
+                    r.num_prompt_tokens,
+                    self.kv.num_held_blocks(r.request_id),
+                )
+                for r in self.scheduler.running
+                if not r.is_probe
+            ),
             self.scheduler.max_running,
             cap_grows=self._step_budget is not None and self._step_budget.cap_grows,
+            pool=PoolView(self.kv.num_free_blocks, self.kv.block_size),
         )
+        self.scheduler.typical_output = self.forecast.typical_output
         return outputs
 
     def _observe_step_time(self, out: SchedulerOutput, seconds: float) -> None:

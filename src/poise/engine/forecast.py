@@ -1,4 +1,4 @@
-"""When the next running slots free up: the engine's own forecast for admission control.
+"""When the next running slots and KV blocks free up: the engine's own forecast for admission.
 
 A replica whose running set is capped (``max_num_seqs``) starts a waiting request only when a
 running one finishes. An average start rate hides how lumpy that is: requests that started
@@ -11,10 +11,23 @@ published after every step as an immutable snapshot that the HTTP thread reads w
 A request's remaining length is its ``max_tokens`` left, tempered by the output lengths seen so
 far (most requests end at EOS long before a context-sized ``max_tokens``): the estimate is the
 smaller of the two, and at least one step.
+
+Two more things decide when a newcomer starts:
+
+- **Priority.** The scheduler preempts a running request of a lower priority (a higher value)
+  for a waiting one of a higher, so for a request of priority p the slots held by running
+  requests with a value above p are as good as free.
+- **KV blocks.** A slot is no use without the blocks the request will fill. Its *footprint* is
+  the blocks its prompt and projected output take; the pool's *headroom* is its free blocks
+  less what the running requests will still grow into, and each running request gives its
+  footprint back when it ends. A request with a long prompt and a long output waits until
+  enough of the others have ended, and is predicted to; a short one fits beside them.
 """
 
 from __future__ import annotations
 
+import bisect
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -29,12 +42,23 @@ class SlotForecast:
     # not been reached, only not yet needed): one per two steps, since a request admitted in
     # a step is a prompt chunk there and counts towards the cap once it decodes.
     growth_slots: int = 0
+    running_priorities: tuple[int, ...] = ()  # of the running requests; ascending
+    block_size: int = 16
+    kv_headroom_blocks: int = 1 << 30  # free blocks less what the running will still take
+    # (steps until it ends, blocks it then gives back) per running request; by steps.
+    kv_releases: tuple[tuple[int, int], ...] = ()
+    typical_output: int | None = None  # tokens a request produces, as seen so far
 
-    def wait_s(self, position: int) -> float:
-        """Seconds until the ``position``-th request in line (1 = next) gets a running slot."""
-        if position <= self.free_slots:
+    def wait_s(self, position: int, priority: int | None = None, blocks: int = 0) -> float:
+        """Seconds until the ``position``-th request in line (1 = next) of ``priority`` gets a
+        running slot, and the KV blocks of ``blocks`` (its own and those ahead of it) fit."""
+        return max(self._slot_wait_s(position, priority), self.kv_wait_s(blocks))
+
+    def _slot_wait_s(self, position: int, priority: int | None) -> float:
+        free = self.free_slots + self.preemptible(priority)
+        if position <= free:
             return 0.0
-        j = position - self.free_slots - 1
+        j = position - free - 1
         if not self.release_steps:
             return 0.0
         # Past the running set, a released slot is taken again by one ahead: a cycle later.
@@ -43,6 +67,49 @@ class SlotForecast:
         if j < self.growth_slots:
             steps = min(steps, 2 * (j + 1))
         return steps * self.step_s
+
+    def preemptible(self, priority: int | None) -> int:
+        """Running requests that one of ``priority`` may take the place of."""
+        if priority is None:
+            return 0
+        return len(self.running_priorities) - bisect.bisect_right(self.running_priorities, priority)
+
+    def kv_wait_s(self, blocks: int) -> float:
+        """Seconds until the pool has ``blocks`` of headroom, as running requests end."""
+        room = self.kv_headroom_blocks
+        if blocks <= room:
+            return 0.0
+        steps = 0
+        for steps, freed in self.kv_releases:
+            room += freed
+            if blocks <= room:
+                return steps * self.step_s
+        # Past every release the pool turns over once per typical cycle.
+        turned = max(1, room)
+        cycles = math.ceil((blocks - room) / turned)
+        return (steps + cycles * max(1, self.cycle_steps)) * self.step_s
+
+    def footprint_blocks(self, prompt_tokens: int, max_tokens: int) -> int:
+        """Blocks a request of this prompt and ``max_tokens`` is projected to fill."""
+        output = max_tokens if self.typical_output is None else min(max_tokens, self.typical_output)
+        return -(-(prompt_tokens + max(1, output)) // self.block_size)
+
+
+@dataclass(frozen=True, slots=True)
+class Running:
+    """What the forecast needs of one request holding a running slot."""
+
+    produced: int  # output tokens so far
+    max_tokens: int
+    priority: int = 0
+    prompt_tokens: int = 0
+    held_blocks: int = 0  # KV blocks its table holds now
+
+
+@dataclass(frozen=True, slots=True)
+class PoolView:
+    free_blocks: int  # blocks nobody holds (free prefix-cache entries included: evictable)
+    block_size: int
 
 
 IDLE_FORECAST = SlotForecast(free_slots=1 << 30, release_steps=(), step_s=0.0, cycle_steps=0)
@@ -70,21 +137,31 @@ class SlotForecaster:
 
     def forecast(
         self,
-        running: Iterable[tuple[int, int]],
+        running: Iterable[Running],
         max_running: int | None = None,
         cap_grows: bool = False,
+        pool: PoolView | None = None,
     ) -> SlotForecast:
-        """``running``: (tokens produced, max_tokens) of each request holding a slot;
-        ``max_running``: the running set's cap now, when lower than ``max_num_seqs``;
-        ``cap_grows``: whether that cap is still rising (then a request past it waits two steps
-        per request ahead, not for one to finish)."""
+        """``running``: each request holding a slot; ``max_running``: the running set's cap
+        now, when lower than ``max_num_seqs``; ``cap_grows``: whether that cap is still rising
+        (then a request past it waits two steps per request ahead, not for one to finish);
+        ``pool``: the KV pool's free blocks and block size (None: blocks are never short)."""
         typical = self.mean_output_tokens
         steps = []
-        for produced, max_tokens in running:
-            left = max_tokens - produced
+        priorities = []
+        releases = []
+        owed = 0
+        for r in running:
+            left = r.max_tokens - r.produced
             if typical is not None:
-                left = min(left, round(typical) - produced)
-            steps.append(max(1, left))
+                left = min(left, round(typical) - r.produced)
+            left = max(1, left)
+            steps.append(left)
+            priorities.append(r.priority)
+            if pool is not None:
+                footprint = -(-(r.prompt_tokens + r.produced + left) // pool.block_size)
+                owed += max(0, footprint - r.held_blocks)
+                releases.append((left, max(footprint, r.held_blocks)))
         steps.sort()
         cap = min(self.max_num_seqs, max_running or self.max_num_seqs)
         return SlotForecast(
@@ -93,4 +170,9 @@ class SlotForecaster:
             step_s=self.step_s or 0.0,
             cycle_steps=round(typical) if typical is not None else (steps[-1] if steps else 0),
             growth_slots=self.max_num_seqs - max(cap, len(steps)) if cap_grows else 0,
+            running_priorities=tuple(sorted(priorities)),
+            block_size=16 if pool is None else pool.block_size,
+            kv_headroom_blocks=1 << 30 if pool is None else pool.free_blocks - owed,
+            kv_releases=tuple(sorted(releases)),
+            typical_output=None if typical is None else round(typical),
         )

@@ -97,6 +97,13 @@ class KVCacheManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def num_held_blocks(self, request_id: str) -> int:
+        """Blocks the request's table holds (those given back under a sliding window not)."""
+        table = self._tables.get(request_id, ())
+        if self.sliding_window is None:
+            return len(table)
+        return sum(1 for b in table if b != NULL_BLOCK)
+
     def block_table(self, request_id: str) -> list[int]:
         return self._tables.get(request_id, [])
 

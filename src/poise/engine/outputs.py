@@ -35,6 +35,25 @@ class RequestOutput:
 
 
 @dataclass(frozen=True, slots=True)
+class KVPicture:
+    """The pool beyond its usage: what is held and not filled, and what the queue will want.
+
+    poise preempts by recompute, so a waiting or preempted request holds no block; its full
+    blocks stay in the prefix cache (free, evictable) until someone needs the room. What it
+    will take again to start is what admission and an operator need to know."""
+
+    allocated_slots: int = 0  # token slots in the blocks running requests hold
+    unused_slots: int = 0  # ... that hold no token yet (each request's last block, mostly)
+    waiting_blocks: int = 0  # blocks the never-started waiting requests need to start
+    preempted_blocks: int = 0  # blocks the preempted ones need to be computed again
+
+    @property
+    def fragmentation(self) -> float:
+        """Share of allocated slots holding no token."""
+        return self.unused_slots / self.allocated_slots if self.allocated_slots else 0.0
+
+
+@dataclass(frozen=True, slots=True)
 class EngineStats:
     """The engine's state as a front end shows it; taken between steps, never mutated."""
 
@@ -52,3 +71,4 @@ class EngineStats:
     # The step-time budget's fit (seconds per step, per decode, per prompt token); None: no
     # budget, or not fitted yet.
     step_time_fit: tuple[float, float, float] | None = None
+    kv: KVPicture = field(default_factory=KVPicture)

@@ -11,9 +11,22 @@ least a block's worth, so that a prompt always progresses), and a new request st
 that leaves room and the running set is under the budget's cap: the running set grows only as
 far as a step can serve it within its time.
 
-Running requests are served first, best (priority, arrival) first. When the KV pool has no block
-for one, the worst running request is preempted: its blocks are freed and it goes back to the
-waiting queue to be recomputed later (its full blocks usually survive in the prefix cache).
+Running requests are served first, best (priority, arrival) first. Preemption frees a running
+request's blocks and sends it back to the waiting queue to be recomputed later (its full blocks
+usually survive in the prefix cache). It chooses its victims by priority, then by cost:
+
+- A waiting request of a better priority than a running one takes its place when the running
+  set is at its cap, or when the pool has no blocks for it: a flood of batch work does not keep
+  interactive requests waiting for slots or blocks it holds. The victim is the newest of the
+  worst priority (the least work lost).
+- When the pool has no block for a running request, the victim among those of the worst
+  priority (the request itself included) is the one that wants the most: the largest projected
+  footprint (prompt and output, in blocks), so that long requests give way to short ones
+  rather than the other way round.
+- When the first waiting request cannot get its blocks and nothing may be preempted for it,
+  smaller requests behind it that fit start meanwhile (a bounded look past it): a request that
+  wants most of the pool waits for room, not everyone behind it.
+
 A request preempted ``max_preemptions`` times is no longer chosen as a victim, so no request can
 be starved by repeated preemption; only when nothing at all could run is the cap set aside, since
 progress for someone beats fairness for none.
@@ -34,7 +47,11 @@ from typing import Protocol
 from poise.engine.errors import InvalidRequestError
 from poise.engine.intake import check_fits
 from poise.engine.kv_cache import KVCacheManager
+from poise.engine.outputs import KVPicture
 from poise.engine.request import Request, RequestStatus, SamplingParams
+
+# Waiting requests that may start past one that cannot get its blocks, per step.
+MAX_LOOK_PAST = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +118,9 @@ class Scheduler:
         self._newly_finished: list[Request] = []
         self.num_preemptions_total = 0
         self.time_budget: StepTimeBudget | None = None  # None: the token and seq caps alone
+        # Output tokens a request typically produces (the engine's running estimate): projects
+        # a request's KV footprint when its max_tokens is far above what it will use.
+        self.typical_output: int | None = None
 
     @property
     def max_running(self) -> int:
@@ -165,13 +185,15 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         self._expire_deadlines()
         preempted: list[str] = []
+        self._make_room_for_priority(preempted)
+        for_priority = len(preempted)
         scheduled, budget = self._schedule_running(preempted)
         if not scheduled and self.running:
             # Everyone left is protected by the preemption cap and blocked: let the worst go.
             self._preempt(max(self.running, key=lambda r: r.sort_key), preempted)
             scheduled, budget = self._schedule_running(preempted)
-        if not preempted:
-            budget = self._admit_waiting(scheduled, budget, self._room(scheduled))
+        if len(preempted) == for_priority:  # no running request was short of blocks
+            budget = self._admit_waiting(scheduled, budget, self._room(scheduled), preempted)
         finished, self._finished_ids = self._finished_ids, []
         return SchedulerOutput(
             sequences=scheduled,
@@ -237,11 +259,64 @@ class Scheduler:
         return scheduled, budget
 
     def _pick_victim(self, later: list[Request], current: Request) -> Request | None:
+        """Who gives its blocks back when ``current`` has none: of the worst priority among
+        those after it and itself, the one that wants the most blocks."""
         cap = self.config.max_preemptions
-        for candidate in sorted(later, key=lambda r: r.sort_key, reverse=True):
-            if candidate.num_preemptions < cap:
-                return candidate
-        return current if current.num_preemptions < cap else None
+        candidates = [r for r in (*later, current) if r.num_preemptions < cap]
+        if not candidates:
+            return None
+        worst = max(r.priority for r in candidates)
+        return max(
+            (r for r in candidates if r.priority == worst),
+            key=lambda r: (self.footprint_blocks(r), r.arrival_time),
+        )
+
+    def footprint_blocks(self, request: Request) -> int:
+        """Blocks the request is projected to fill: its prompt and the output it will likely
+        produce (max_tokens, or the typical output when that is less and it is not past it)."""
+        output = request.max_tokens
+        if self.typical_output is not None:
+            output = min(output, max(self.typical_output, len(request.output_token_ids) + 1))
+        return self.kv.blocks_needed(request.num_prompt_tokens + output)
+
+    def kv_picture(self) -> KVPicture:
+        """The pool's fragmentation and the queue's demand on it (see ``KVPicture``)."""
+        bs = self.kv.block_size
+        allocated = unused = 0
+        for r in self.running:
+            held = self.kv.num_held_blocks(r.request_id)
+            given_back = len(self.kv.block_table(r.request_id)) - held  # out of a window
+            allocated += held * bs
+            unused += max(0, held * bs - (r.num_computed_tokens - given_back * bs))
+        waiting = preempted = 0
+        for r in self.waiting:
+            need = self.kv.blocks_needed(r.num_tokens)
+            if r.num_preemptions:
+                preempted += need
+            else:
+                waiting += need
+        return KVPicture(allocated, unused, waiting, preempted)
+
+    def _make_room_for_priority(self, preempted: list[str]) -> None:
+        """Preempt running requests of a worse priority for waiting ones of a better, as far as
+        the running set's cap keeps the better ones out."""
+        for taken, request in enumerate([r for r in self.waiting if not r.is_probe]):
+            while len(self.running) + taken >= self.max_running:
+                victim = self._priority_victim(request)
+                if victim is None:
+                    return
+                self._preempt(victim, preempted)
+
+    def _priority_victim(self, request: Request) -> Request | None:
+        """The newest running request of the worst priority, if worse than ``request``'s and
+        not protected by the preemption cap."""
+        cap = self.config.max_preemptions
+        candidates = [
+            r
+            for r in self.running
+            if r.priority > request.priority and r.num_preemptions < cap and not r.is_probe
+        ]
+        return max(candidates, key=lambda r: r.sort_key) if candidates else None
 
     def _preempt(self, request: Request, preempted: list[str]) -> None:
         self.running.remove(request)
@@ -254,26 +329,40 @@ class Scheduler:
         bisect.insort(self.waiting, request, key=lambda r: r.sort_key)
 
     def _admit_waiting(
-        self, scheduled: list[ScheduledSequence], budget: int, room: int | None = None
+        self,
+        scheduled: list[ScheduledSequence],
+        budget: int,
+        room: int | None,
+        preempted: list[str],
     ) -> int:
         bs = self.kv.block_size
         max_running = self.max_running
-        while self.waiting and (
-            self.waiting[0].is_probe
+        i = looked_past = 0
+        while i < len(self.waiting) and (
+            self.waiting[i].is_probe
             or (budget > 0 and len(self.running) < max_running and (room is None or room > 0))
         ):
-            request = self.waiting[0]
+            request = self.waiting[i]
             hits = self.kv.get_computed_blocks(request)
             n_cached = len(hits) * bs
             left = request.num_tokens - n_cached
             # A health probe must not queue behind user work: it passes the caps.
             n = left if request.is_probe else min(left, budget, room if room is not None else left)
             if not self.kv.allocate_slots(request, n, hits):
-                break  # strict order: nobody overtakes the head of the queue
+                victim = self._priority_victim(request)
+                if victim is not None:
+                    self._preempt(victim, preempted)
+                    budget += self._unschedule(scheduled, victim.request_id)
+                    continue
+                looked_past += 1
+                if request.is_probe or looked_past > MAX_LOOK_PAST:
+                    break
+                i += 1  # it waits for room; a smaller one behind it may fit
+                continue
             self.kv.record_lookup(request.num_tokens, n_cached)
             request.num_computed_tokens = n_cached
             request.num_cached_prompt_tokens = n_cached
-            self.waiting.pop(0)
+            self.waiting.pop(i)
             request.transition(RequestStatus.RUNNING)
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = self.clock()
@@ -283,6 +372,15 @@ class Scheduler:
             if room is not None:
                 room -= n
         return budget
+
+    @staticmethod
+    def _unschedule(scheduled: list[ScheduledSequence], request_id: str) -> int:
+        """Take a preempted request's work out of this step; the tokens it gives back."""
+        for k, seq in enumerate(scheduled):
+            if seq.request_id == request_id:
+                del scheduled[k]
+                return len(seq.token_ids)
+        return 0
 
     def _scheduled(self, request: Request, n: int) -> ScheduledSequence:
         start = request.num_computed_tokens

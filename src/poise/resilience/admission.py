@@ -1,10 +1,24 @@
-"""Admission control: bound the queue, refuse early what cannot start in time, shed by priority.
+"""Admission control: serve every burst that drains, shed a flood, judge each request by its own
+deadline, shed by priority.
 
-A replica that accepts everything turns a burst into minutes of queueing for everyone; one that
-refuses early keeps the requests it took inside their SLO and tells the others at once (429 and
-a ``Retry-After``) so that a gateway can send them elsewhere. The decision happens before any
-expensive work and needs only what this object has seen: who is waiting, and how fast waiting
-requests have been starting.
+A replica that accepts everything turns a flood into minutes of queueing for everyone; one that
+refuses whatever would wait a little turns away a batch job's burst that it would have served in
+seconds. So a long wait alone refuses nothing here. A newcomer is refused at once (429 and a
+``Retry-After``, so that a gateway can send it elsewhere) when:
+
+- it is predicted to start after its own deadline (``X-Request-Deadline-Ms`` or the server's
+  default timeout): it cannot be served in time;
+- the queue is *filling*, that is more requests arrive than start (``queue_trend``), and it is
+  predicted to wait longer than ``queue_target_s``. Under a flood this keeps the queue about
+  the target deep, so the requests admitted keep their time to first token; a burst that drains,
+  or a closed loop of clients that each send again when answered, is served however long the
+  queue it makes;
+- the queue's hard bounds (requests, prompt tokens) are reached and nothing of a lower priority
+  waits that could be shed for it.
+
+The decision happens before any expensive work and needs only what this object has seen: who
+is waiting, how fast waiting requests have been starting, and the server's own forecast of when
+running slots free up (``slot_wait``).
 
 The service-rate estimate is the mean interval between the last ``rate_window`` pairs of
 consecutive starts, counted only while someone was waiting throughout (idle time says nothing
@@ -19,9 +33,11 @@ has gone without a start, so a stalled engine stops admitting instead of trustin
 rate.
 
 Priorities follow vLLM: lower values run first. A request is only queued behind those with a
-value at most its own, so a high-priority request may be admitted when a low-priority one would
-be refused; and when a bound is hit, waiting requests of strictly lower priority are shed (worst
-first, newest first) to make room, and their owners are told with the same 429.
+value at most its own, and the slot forecast counts the running requests of a lower priority as
+slots it can take (the engine preempts them for it), so a high-priority request may be admitted
+when a low-priority one would be refused; and when a bound is hit, waiting requests of strictly
+lower priority are shed (worst first, newest first) to make room, and their owners are told with
+the same 429.
 
 No library offers this: rate limiters bound arrivals, not a queue whose drain rate is measured;
 the policy is small, pure and takes its clock as an argument so it is tested without sleeping.
@@ -32,7 +48,9 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from poise.resilience.queue_trend import QueueTrend, TrendConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,7 +58,10 @@ class AdmissionConfig:
     enabled: bool = True  # off: admit everything (bounds and predictions still reported)
     max_waiting_requests: int = 256
     max_waiting_tokens: int = 1 << 20  # prompt tokens admitted but not yet started
-    max_queue_wait_s: float | None = None  # refuse what is predicted to wait longer (TTFT SLO)
+    # While the queue fills, refuse what is predicted to wait longer; None: never for a wait
+    # (the deadline and the hard bounds still hold).
+    queue_target_s: float | None = None
+    trend: TrendConfig = field(default_factory=TrendConfig)
     rate_window: int = 32  # start intervals averaged for the service rate
     rate_max_age_s: float = 30.0  # ... none older than this
 
@@ -49,6 +70,8 @@ class AdmissionConfig:
             raise ValueError("admission bounds must be at least 1")
         if self.rate_window < 1 or self.rate_max_age_s <= 0:
             raise ValueError("rate_window must be at least 1 and rate_max_age_s positive")
+        if self.queue_target_s is not None and self.queue_target_s < 0:
+            raise ValueError("queue_target_s must not be negative")
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +80,7 @@ class Ticket:
     prompt_tokens: int
     priority: int
     arrival: float
+    blocks: int = 0  # the KV blocks it is projected to fill (0: not told)
 
     @property
     def shed_order(self) -> tuple[int, float]:
@@ -66,7 +90,7 @@ class Ticket:
 @dataclass(frozen=True, slots=True)
 class Decision:
     admitted: bool
-    reason: str | None  # queue_full, queue_tokens_full, deadline, queue_wait
+    reason: str | None  # queue_full, queue_tokens_full, deadline, overloaded
     predicted_wait_s: float
     retry_after_s: float  # whole seconds, at least 1, when refused; 0 when admitted
     shed: tuple[str, ...] = ()  # keys of waiting requests dropped to make room
@@ -77,13 +101,16 @@ class AdmissionController:
         self,
         config: AdmissionConfig,
         clock: Callable[[], float],
-        slot_wait: Callable[[int], float] | None = None,
+        slot_wait: Callable[[int, int], float] | None = None,
     ) -> None:
-        """``slot_wait(k)``: the server's own forecast, in seconds, of when the k-th request in
-        line gets a running slot (see ``poise.engine.forecast``); None when it has none."""
+        """``slot_wait(k, priority, blocks)``: the server's own forecast, in seconds, of when
+        the k-th request in line of that priority gets a running slot and room in the KV pool
+        for ``blocks`` (its own and those of the requests ahead of it; see
+        ``poise.engine.forecast``); None when it has none."""
         self.config = config
         self.clock = clock
         self.slot_wait = slot_wait
+        self.trend = QueueTrend(config.trend, clock)
         self.waiting: dict[str, Ticket] = {}
         self.waiting_tokens = 0
         self._intervals: deque[tuple[float, float]] = deque(maxlen=config.rate_window)  # (at, s)
@@ -103,14 +130,20 @@ class AdmissionController:
         """Waiting requests that a new one of this priority would queue behind."""
         return sum(1 for t in self.waiting.values() if t.priority <= priority)
 
-    def predicted_wait(self, priority: int, group_size: int = 1) -> float:
-        """Seconds until a group of this priority, arriving now, would start: the more
-        pessimistic of the measured start rate and the slot forecast for its last member."""
-        ahead = self.ahead(priority)
+    def predicted_wait(self, priority: int, group_size: int = 1, group_blocks: int = 0) -> float:
+        """Seconds until a group of this priority (filling ``group_blocks`` of KV), arriving
+        now, would start: the more pessimistic of the measured start rate and the server's
+        forecast of slots and blocks for its last member."""
+        ahead = [t for t in self.waiting.values() if t.priority <= priority]
         by_rate = (
-            max(ahead * (self.mean_start_interval_s or 0.0), self._stalled_s()) if ahead else 0.0
+            max(len(ahead) * (self.mean_start_interval_s or 0.0), self._stalled_s())
+            if ahead
+            else 0.0
         )
-        by_slots = self.slot_wait(ahead + group_size) if self.slot_wait is not None else 0.0
+        by_slots = 0.0
+        if self.slot_wait is not None:
+            blocks = group_blocks + sum(t.blocks for t in ahead)
+            by_slots = self.slot_wait(len(ahead) + group_size, priority, blocks)
         return max(by_slots, by_rate)
 
     def admit(
@@ -120,26 +153,30 @@ class AdmissionController:
         priority: int = 0,
         deadline: float | None = None,
         continuation: bool = False,
+        blocks: Sequence[int] | None = None,
     ) -> Decision:
         """Admit a group (the n choices of one HTTP request) whole, or none of it.
 
         ``continuation``: the rest of a generation that was admitted elsewhere and lost its
         replica mid-stream. Its client already has its first token, so the predicted-wait
-        bounds (which guard time to first token) do not apply; refusing it would end a stream
+        rules (which guard time to first token) do not apply; refusing it would end a stream
         the system had taken on. The hard bounds on the queue still do."""
         if len(keys) != len(prompt_tokens) or not keys:
             raise ValueError("one prompt length per key, at least one key")
         now = self.clock()
-        wait = self.predicted_wait(priority, len(keys))
-        tickets = [Ticket(k, n, priority, now) for k, n in zip(keys, prompt_tokens, strict=True)]
+        blocks = blocks or [0] * len(keys)
+        wait = self.predicted_wait(priority, len(keys), sum(blocks))
+        tickets = [
+            Ticket(k, n, priority, now, b)
+            for k, n, b in zip(keys, prompt_tokens, blocks, strict=True)
+        ]
         if not self.config.enabled:
             self._enqueue(tickets)
             return Decision(True, None, wait, 0.0)
-        if not continuation and deadline is not None and wait >= deadline - now:
-            return self._refuse("deadline", wait, wait)
-        limit = self.config.max_queue_wait_s
-        if not continuation and limit is not None and wait > limit:
-            return self._refuse("queue_wait", wait, wait - limit)
+        if not continuation:
+            refusal = self._judge_wait(wait, len(keys), deadline, now)
+            if refusal is not None:
+                return refusal
         shed = self._make_room(len(tickets), sum(prompt_tokens), priority)
         if shed is None:
             reason = (
@@ -154,11 +191,26 @@ class AdmissionController:
         self._enqueue(tickets)
         return Decision(True, None, wait, 0.0, tuple(t.key for t in shed))
 
+    def _judge_wait(
+        self, wait: float, count: int, deadline: float | None, now: float
+    ) -> Decision | None:
+        """The refusal a newcomer's predicted wait earns, if any (see the module's rules)."""
+        target = self.config.queue_target_s
+        long = target is not None and wait > target
+        self.trend.arrival(count, long)
+        if deadline is not None and wait >= deadline - now:
+            return self._refuse("deadline", wait, wait)
+        if long and not self.trend.in_burst and self.trend.filling:
+            assert target is not None
+            return self._refuse("overloaded", wait, wait - target)
+        return None
+
     # ----- what the server reports -----
     def started(self, key: str) -> None:
         """The request left the queue by starting to run: one more sample of the start rate."""
         if self._remove(key) is None:
             return
+        self.trend.start()
         now = self.clock()
         if self._last_start is not None and self._queue_busy_since_last_start:
             self._intervals.append((now, max(0.0, now - self._last_start)))

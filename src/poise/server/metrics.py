@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+from poise.engine.outputs import KVPicture
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 20.0)
 ITL_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
@@ -37,6 +39,9 @@ class EngineSnapshot:
     admission_waiting: int
     admission_waiting_tokens: int
     predicted_wait_s: float
+    kv: KVPicture = field(default_factory=KVPicture)
+    kv_headroom_blocks: int = 0  # free blocks less what running requests will grow into
+    queue_state: str = "short"  # short, burst, draining, filling (resilience.queue_trend)
 
 
 class _EngineCollector(Collector):
@@ -96,8 +101,43 @@ class _EngineCollector(Collector):
             "Predicted queueing time of a priority-0 request arriving now.",
             s.predicted_wait_s,
         )
+        state = GaugeMetricFamily(
+            "poise_admission_queue_state",
+            "1 for the admission queue's state: short (no wait past the target), burst, "
+            "draining (long, fewer arriving than starting) or filling (shedding).",
+            labels=[*labels, "state"],
+        )
+        for name in QUEUE_STATES:
+            state.add_metric([*v, name], float(s.queue_state == name))
+        yield state
+        yield gauge(
+            "poise_kv_cache_unused_slots",
+            "Token slots in KV blocks held by running requests that hold no token.",
+            s.kv.unused_slots,
+        )
+        yield gauge(
+            "poise_kv_cache_fragmentation_ratio",
+            "Share of the token slots held by running requests that hold no token (0-1).",
+            s.kv.fragmentation,
+        )
+        queued = GaugeMetricFamily(
+            "poise_kv_cache_queued_blocks",
+            "KV blocks the waiting requests need to start: never started, and preempted ones "
+            "to be computed again (they hold none: their full blocks stay in the prefix cache "
+            "until evicted).",
+            labels=[*labels, "state"],
+        )
+        queued.add_metric([*v, "waiting"], s.kv.waiting_blocks)
+        queued.add_metric([*v, "preempted"], s.kv.preempted_blocks)
+        yield queued
+        yield gauge(
+            "poise_kv_cache_headroom_blocks",
+            "Free KV blocks less those the running requests will still grow into.",
+            s.kv_headroom_blocks,
+        )
 
 
+QUEUE_STATES = ("short", "burst", "draining", "filling")
 REFUSAL_BUCKETS = (0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.025, 0.05, 0.1)
 
 

@@ -25,6 +25,7 @@ from poise.engine.outputs import RequestOutput
 from poise.engine.request import Request, SamplingParams
 from poise.protocol import APIError, deadline_budget_s
 from poise.resilience.admission import AdmissionConfig, AdmissionController
+from poise.resilience.queue_trend import TrendConfig
 from poise.server.access import RequestReport
 from poise.server.metrics import EngineSnapshot, ServerMetrics
 
@@ -84,11 +85,14 @@ class Replica:
                 enabled=settings.admission_control,
                 max_waiting_requests=settings.max_waiting_requests,
                 max_waiting_tokens=settings.max_waiting_tokens,
-                max_queue_wait_s=settings.max_queue_wait_s or None,
+                queue_target_s=settings.queue_target_s or None,
+                trend=TrendConfig(burst_gap_s=settings.burst_gap_s),
             ),
             clock,
             # A lambda, not the bound method: the engine replaces its stats after every step.
-            slot_wait=lambda position: engine.stats.forecast.wait_s(position),  # noqa: PLW0108
+            slot_wait=lambda k, priority, blocks: engine.stats.forecast.wait_s(  # noqa: PLW0108
+                k, priority, blocks
+            ),
         )
         self.metrics = ServerMetrics(self.model_name, self.snapshot)
         self.inflight: dict[str, _InFlight] = {}
@@ -136,6 +140,9 @@ class Replica:
             admission_waiting=len(self.admission.waiting),
             admission_waiting_tokens=self.admission.waiting_tokens,
             predicted_wait_s=self.admission.predicted_wait(0),
+            kv=stats.kv,
+            kv_headroom_blocks=min(stats.forecast.kv_headroom_blocks, stats.num_free_blocks),
+            queue_state=self.admission.trend.state,
         )
 
     @property
@@ -175,12 +182,20 @@ class Replica:
                 "usage": stats.kv_usage,
                 "free_blocks": stats.num_free_blocks,
                 "total_blocks": stats.num_blocks,
+                "headroom_blocks": min(stats.forecast.kv_headroom_blocks, stats.num_free_blocks),
+                "allocated_slots": stats.kv.allocated_slots,
+                "unused_slots": stats.kv.unused_slots,
+                "fragmentation": round(stats.kv.fragmentation, 4),
+                "waiting_blocks": stats.kv.waiting_blocks,
+                "preempted_blocks": stats.kv.preempted_blocks,
             },
             "admission": {
                 "waiting_requests": len(self.admission.waiting),
                 "waiting_prompt_tokens": self.admission.waiting_tokens,
                 "predicted_wait_s": self.admission.predicted_wait(0),
                 "saturated": self.admission.saturated,
+                "queue_state": self.admission.trend.state,
+                "arrived_started": list(self.admission.trend.counts()),
             },
             "inflight_requests": len(self.inflight),
         }
@@ -280,20 +295,24 @@ class Replica:
     ) -> None:
         """Admit the whole group or raise 429; sheds lower-priority waiting work if it must.
         A continuation (a resumed stream) skips the predicted-wait bounds, not the queue's."""
+        forecast = self.engine.stats.forecast
         decision = self.admission.admit(
             [p.request.request_id for p in group],
             [p.request.num_prompt_tokens for p in group],
             priority,
             deadline,
             continuation,
+            [
+                forecast.footprint_blocks(p.request.num_prompt_tokens, p.request.max_tokens)
+                for p in group
+            ],
         )
         if not decision.admitted:
             reason = decision.reason or "overloaded"
             self.metrics.reject(reason)
             raise APIError(
                 429,
-                f"the server is overloaded ({reason}): predicted queueing time "
-                f"{decision.predicted_wait_s:.2f}s, {len(self.admission.waiting)} requests waiting",
+                self._refusal_message(reason, decision.predicted_wait_s),
                 code=reason,
                 headers={"Retry-After": str(int(decision.retry_after_s))},
             )
@@ -308,6 +327,23 @@ class Replica:
                     headers={"Retry-After": "1"},
                 )
             self.engine.abort(key)
+
+    def _refusal_message(self, reason: str, wait: float) -> str:
+        waiting = len(self.admission.waiting)
+        if reason == "overloaded":
+            arrived, started = self.admission.trend.counts()
+            return (
+                f"the server is overloaded: {arrived} requests arrived and {started} started "
+                f"over the last {self.admission.config.trend.interval_s:g}s, and this one would "
+                f"wait {wait:.2f}s (more than {self.settings.queue_target_s:g}s) behind "
+                f"{waiting} waiting"
+            )
+        if reason == "deadline":
+            return (
+                f"the request cannot start before its deadline: predicted wait {wait:.2f}s "
+                f"behind {waiting} waiting"
+            )
+        return f"the server's queue is full ({reason}): {waiting} requests waiting"
 
     async def run(self, group: list[Prepared]) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Outputs of every request in the group as they come, tagged with their index.

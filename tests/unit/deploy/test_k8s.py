@@ -92,11 +92,11 @@ def test_the_replica_s_probes_ports_and_drain_agree_with_poise():
     assert parsed.served_model_name == "demo"
     # Overload protection as poise serve ships it: nothing in the manifest turns it off.
     assert not parsed.no_admission_control
-    assert parsed.max_queue_wait_s is None and parsed.default_timeout_s is None
+    assert parsed.queue_target_s is None and parsed.default_timeout_s is None
     assert parsed.step_time_budget_s is None  # the step-time budget too
     env = {e["name"] for e in c.get("env", [])}
     assert not env & {
-        "POISE_MAX_QUEUE_WAIT_S",
+        "POISE_QUEUE_TARGET_S",
         "POISE_DEFAULT_TIMEOUT_S",
         "POISE_ADMISSION_CONTROL",
         "POISE_STEP_TIME_BUDGET_S",

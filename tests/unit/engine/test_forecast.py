@@ -6,13 +6,18 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from poise.engine.forecast import SlotForecaster
+from poise.engine.forecast import PoolView, Running, SlotForecaster
+
+
+def rs(pairs: list[tuple[int, int]]) -> list[Running]:
+    """Running requests of priority 0 from (tokens produced, max_tokens) pairs."""
+    return [Running(p, m) for p, m in pairs]
 
 
 def test_free_slots_mean_no_wait() -> None:
     f = SlotForecaster(max_num_seqs=4)
     f.observe_step(0.05)
-    fc = f.forecast([(10, 64), (20, 64)])
+    fc = f.forecast(rs([(10, 64), (20, 64)]))
     assert fc.free_slots == 2
     assert fc.wait_s(1) == 0.0 and fc.wait_s(2) == 0.0
     # The third in line waits for the request closest to its end: 64 - 20 steps.
@@ -27,16 +32,16 @@ def test_a_cap_still_growing_lets_a_burst_in_two_steps_apiece() -> None:
     f = SlotForecaster(max_num_seqs=64)
     f.observe_step(0.01)
     running = [(2, 16)] * 3
-    held = f.forecast(running, max_running=3)
+    held = f.forecast(rs(running), max_running=3)
     assert held.wait_s(1) == pytest.approx(14 * 0.01)
-    growing = f.forecast(running, max_running=3, cap_grows=True)
+    growing = f.forecast(rs(running), max_running=3, cap_grows=True)
     assert growing.wait_s(1) == pytest.approx(2 * 0.01)
     assert growing.wait_s(6) == pytest.approx(12 * 0.01)
     assert growing.wait_s(40) == pytest.approx(80 * 0.01)
     # Never later than running requests' ends would free slots, and only up to max_num_seqs.
-    ending = f.forecast([(15, 16)] * 3, max_running=3, cap_grows=True)
+    ending = f.forecast(rs([(15, 16)] * 3), max_running=3, cap_grows=True)
     assert ending.wait_s(7) == pytest.approx(3 * 0.01)  # one step to end, then 2 cycles of 1
-    full = f.forecast([(2, 16)] * 64, max_running=64, cap_grows=True)
+    full = f.forecast(rs([(2, 16)] * 64), max_running=64, cap_grows=True)
     assert full.growth_slots == 0 and full.wait_s(1) == pytest.approx(14 * 0.01)
 
 
@@ -44,12 +49,12 @@ def test_a_synchronised_batch_makes_the_next_request_wait_for_the_whole_wave() -
     """Requests that started together end together: an average start rate would say 'soon'."""
     f = SlotForecaster(max_num_seqs=8)
     f.observe_step(0.06)
-    fc = f.forecast([(2, 64)] * 8)
+    fc = f.forecast(rs([(2, 64)] * 8))
     assert fc.wait_s(1) == pytest.approx(62 * 0.06)
     assert fc.wait_s(8) == pytest.approx(62 * 0.06)
     # The ninth must wait for a slot freed by someone who started after this wave: a cycle on.
     f.observe_finished(64)
-    fc = f.forecast([(2, 64)] * 8)
+    fc = f.forecast(rs([(2, 64)] * 8))
     assert fc.wait_s(9) == pytest.approx((62 + 64) * 0.06)
 
 
@@ -58,10 +63,10 @@ def test_typical_output_length_tempers_a_huge_max_tokens() -> None:
     f.observe_step(0.1)
     for _ in range(50):
         f.observe_finished(20)
-    fc = f.forecast([(5, 4000)])
+    fc = f.forecast(rs([(5, 4000)]))
     assert fc.wait_s(1) == pytest.approx(15 * 0.1)
     # Past its typical length a request may end any step now, but not before a step.
-    assert f.forecast([(30, 4000)]).wait_s(1) == pytest.approx(0.1)
+    assert f.forecast(rs([(30, 4000)])).wait_s(1) == pytest.approx(0.1)
 
 
 @given(
@@ -71,7 +76,48 @@ def test_typical_output_length_tempers_a_huge_max_tokens() -> None:
 def test_waits_never_decrease_along_the_line(running, max_num_seqs) -> None:
     f = SlotForecaster(max_num_seqs=max(max_num_seqs, len(running)))
     f.observe_step(0.01)
-    fc = f.forecast([(min(p, m - 1), m) for p, m in running])
+    fc = f.forecast(rs([(min(p, m - 1), m) for p, m in running]))
     waits = [fc.wait_s(k) for k in range(1, 40)]
     assert all(a <= b for a, b in itertools.pairwise(waits))
     assert all(w >= 0 for w in waits)
+
+
+def test_slots_held_by_a_lower_priority_are_free_to_a_higher_one() -> None:
+    """The scheduler preempts batch work for interactive work: a full running set of priority
+    10 makes a priority-0 newcomer wait one step at most, a priority-10 one a whole output."""
+    f = SlotForecaster(max_num_seqs=2)
+    f.observe_step(0.05)
+    fc = f.forecast([Running(2, 64, priority=10), Running(4, 64, priority=10)])
+    assert fc.preemptible(0) == 2 and fc.preemptible(10) == 0
+    assert fc.wait_s(1, 0) == 0.0 and fc.wait_s(2, 0) == 0.0
+    assert fc.wait_s(3, 0) == pytest.approx(60 * 0.05)
+    assert fc.wait_s(1, 10) == pytest.approx(60 * 0.05)
+
+
+def test_a_request_that_wants_more_blocks_than_the_pool_has_waits_for_releases() -> None:
+    """16-token blocks, 10 free. Two running requests will grow to 5 blocks (4 held) and to
+    8 (3 held): 6 more owed, so 4 blocks of headroom. They end in 10 and 40 steps."""
+    f = SlotForecaster(max_num_seqs=8)
+    f.observe_step(0.02)
+    running = [
+        Running(produced=6, max_tokens=16, prompt_tokens=64, held_blocks=4),
+        Running(produced=8, max_tokens=48, prompt_tokens=80, held_blocks=3),
+    ]
+    fc = f.forecast(running, pool=PoolView(free_blocks=10, block_size=16))
+    assert fc.kv_headroom_blocks == 4
+    assert fc.kv_wait_s(4) == 0.0  # a short request fits beside them
+    assert fc.kv_wait_s(9) == pytest.approx(10 * 0.02)  # once the first gives back its 5
+    assert fc.kv_wait_s(17) == pytest.approx(40 * 0.02)  # once both have
+    assert fc.wait_s(1, 0, blocks=9) == pytest.approx(10 * 0.02)  # slots free, blocks not
+    assert fc.footprint_blocks(prompt_tokens=200, max_tokens=200) == 25
+    # A pool never short (no view of it) never makes anyone wait.
+    assert f.forecast(running).kv_wait_s(10_000) == 0.0
+
+
+def test_the_typical_output_tempers_a_footprint() -> None:
+    f = SlotForecaster(max_num_seqs=1)
+    for _ in range(50):
+        f.observe_finished(30)
+    fc = f.forecast([], pool=PoolView(free_blocks=100, block_size=16))
+    assert fc.footprint_blocks(prompt_tokens=34, max_tokens=4000) == 4  # 34 + 30 tokens
+    assert fc.footprint_blocks(prompt_tokens=34, max_tokens=10) == 3

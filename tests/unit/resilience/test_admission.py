@@ -96,7 +96,7 @@ def test_a_stalled_queue_stops_admitting_deadline_work():
 
 def test_starts_that_come_in_batches_do_not_inflate_the_wait():
     # An engine starts the requests waiting for a step together: four every 150 ms.
-    ac, clock = make(max_queue_wait_s=0.5)
+    ac, clock = make(queue_target_s=0.5)
     n = 0
     for _ in range(10):
         keys = [f"r{n + i}" for i in range(4)]
@@ -156,21 +156,27 @@ def test_the_servers_slot_forecast_overrides_an_optimistic_start_rate():
     """A queue that starts requests quickly on average can still be a whole wave away."""
     clock = Clock()
     forecast = {"wait": 0.0}
-    ac = AdmissionController(
-        AdmissionConfig(max_queue_wait_s=0.5), clock, slot_wait=lambda k: forecast["wait"]
-    )
-    ac.admit(["a", "b"], [1, 1])
+    asked: list[tuple[int, int, int]] = []
+
+    def slot_wait(k: int, priority: int, blocks: int) -> float:
+        asked.append((k, priority, blocks))
+        return forecast["wait"]
+
+    ac = AdmissionController(AdmissionConfig(queue_target_s=0.5), clock, slot_wait=slot_wait)
+    ac.admit(["a", "b"], [1, 1], blocks=[3, 4])
     clock.now += 0.1
     ac.started("a")
     clock.now += 0.1
     ac.started("b")
-    ac.admit(["c"], [1])
+    ac.admit(["c"], [1], blocks=[5])
     assert ac.predicted_wait(0) == pytest.approx(0.1)
-    forecast["wait"] = 0.2
-    assert ac.admit(["d"], [1]).admitted
     forecast["wait"] = 3.0
-    refused = ac.admit(["e"], [1])
-    assert not refused.admitted and refused.reason == "queue_wait"
+    assert ac.predicted_wait(0) == pytest.approx(3.0)
+    # It is asked about the place in line, the priority and the blocks of all up to it.
+    assert ac.predicted_wait(2, group_size=2, group_blocks=6) == pytest.approx(3.0)
+    assert asked[-1] == (3, 2, 11)
+    refused = ac.admit(["e"], [1], deadline=clock.now + 2.0)
+    assert not refused.admitted and refused.reason == "deadline"
     assert refused.predicted_wait_s == pytest.approx(3.0)
     assert refused.retry_after_s == 3
 
@@ -179,7 +185,7 @@ def test_the_first_start_after_idle_time_is_latency_not_a_rate():
     """Requests that find the engine idle start 100 ms later: a step's latency, shared by all
     that arrive together. Read as a start interval, it made a burst of four "wait" 0.4 s and
     the next newcomer was refused although all five start in the next step."""
-    ac, clock = make(max_queue_wait_s=0.3)
+    ac, clock = make(queue_target_s=0.3)
     for i in range(5):
         assert ac.admit([f"single{i}"], [1]).admitted
         clock.now += 0.1
@@ -191,16 +197,15 @@ def test_the_first_start_after_idle_time_is_latency_not_a_rate():
     assert ac.admit(["newcomer"], [1]).admitted
 
 
-def test_a_resumed_stream_is_taken_past_the_wait_bound_but_not_past_a_full_queue():
+def test_a_resumed_stream_is_taken_past_the_wait_rules_but_not_past_a_full_queue():
     """Its client already has its first token: refusing it would end a stream, not spare a
     TTFT; the queue's hard bounds hold for it all the same."""
     clock = Clock()
     ac = AdmissionController(
-        AdmissionConfig(max_queue_wait_s=0.3, max_waiting_requests=2),
+        AdmissionConfig(queue_target_s=0.3, max_waiting_requests=2),
         clock,
-        slot_wait=lambda k: 2.0,
+        slot_wait=lambda k, priority, blocks: 2.0,
     )
-    assert ac.admit(["new"], [1]).reason == "queue_wait"
     assert ac.admit(["late"], [1], deadline=clock.now + 1).reason == "deadline"
     assert ac.admit(["resumed"], [1], deadline=clock.now + 1, continuation=True).admitted
     assert ac.admit(["resumed2"], [1], continuation=True).admitted
@@ -211,15 +216,17 @@ def test_a_resumed_stream_is_taken_past_the_wait_bound_but_not_past_a_full_queue
 def test_a_slow_spell_long_past_does_not_refuse_todays_work():
     """Start intervals from a slow spell (a fault, another load) age out: refusals make no new
     samples, so without an age limit the old rate would refuse work for as long as it lasted."""
-    ac, clock = make(max_queue_wait_s=1.0)
+    ac, clock = make()
     ac.admit(["a", "b", "c"], [1, 1, 1])
     for key in "abc":
-        clock.now += 2.0  # a start every 2 s: the queue wait bound refuses one ahead
+        clock.now += 2.0  # a start every 2 s
         ac.started(key)
     ac.admit(["d"], [1])
-    assert not ac.admit(["e"], [1]).admitted  # one ahead at 2 s each: over 1 s
+    # One ahead at 2 s each: a deadline 1.5 s away cannot be met.
+    assert ac.admit(["e"], [1], deadline=clock.now + 1.5).reason == "deadline"
     ac.started("d")
     clock.now += 31  # the spell is over; nobody came for a while
     ac.admit(["f"], [1])
     assert ac.mean_start_interval_s is None
-    assert ac.admit(["g"], [1]).admitted  # judged by the slot forecast and stalls alone
+    # Judged by the slot forecast and stalls alone.
+    assert ac.admit(["g"], [1], deadline=clock.now + 1.5).admitted

@@ -1,0 +1,175 @@
+"""A long queue's trend on a fake clock: a burst drains and is served, a flood fills and is shed."""
+
+from __future__ import annotations
+
+import random
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from poise.resilience.admission import AdmissionConfig, AdmissionController
+from poise.resilience.queue_trend import QueueTrend, TrendConfig
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def refused(trend: QueueTrend, long: bool) -> bool:
+    """What admission does with a newcomer: refuse only a long wait in a filling queue."""
+    return long and not trend.in_burst and trend.filling
+
+
+def test_a_burst_sent_at_once_is_a_burst_and_drains():
+    clock = Clock()
+    trend = QueueTrend(TrendConfig(), clock)
+    out = []
+    for i in range(64):  # a millisecond apart; the fourth already finds the queue long
+        clock.now += 0.001
+        trend.arrival(1, long=i >= 3)
+        out.append(refused(trend, i >= 3))
+    assert not any(out) and trend.state == "burst"
+    # Served at 3 a second, with a newcomer now and then: it waits, and is not refused.
+    for k in range(30):
+        clock.now += 0.33
+        trend.start()
+        if k % 4 == 0:
+            trend.arrival(1, long=True)
+            assert not refused(trend, True)
+            assert trend.state == "draining"
+
+
+def test_the_next_burst_after_the_last_one_drained_is_a_burst_too():
+    clock = Clock()
+    trend = QueueTrend(TrendConfig(), clock)
+    for _burst in range(3):
+        for i in range(64):
+            clock.now += 0.001
+            trend.arrival(1, long=i >= 3)
+            assert not refused(trend, i >= 3)
+        for _ in range(64):
+            clock.now += 0.3
+            trend.start()
+
+
+def test_a_flood_fills_and_its_newcomers_past_the_target_are_refused():
+    """Twice as many arrive as start; the queue turns long while they do."""
+    clock = Clock()
+    trend = QueueTrend(TrendConfig(), clock)
+    rng = random.Random(7)
+    events = []
+    t = 0.0
+    while t < 20:
+        t += rng.expovariate(12.0)
+        events.append((t, "arrival"))
+    events += [(k / 6.0, "start") for k in range(1, 120)]
+    waiting, refusals, long_admitted = 0, 0, 0
+    for t, kind in sorted(events):
+        clock.now = 100.0 + t
+        if kind == "start":
+            if waiting:
+                waiting -= 1
+                trend.start()
+            continue
+        long = waiting >= 2
+        trend.arrival(1, long)
+        if refused(trend, long):
+            refusals += 1
+        else:
+            waiting += 1
+            long_admitted += long
+    assert refusals > 100
+    # The queue is held near the target: few requests got in past it, and none for long.
+    assert long_admitted <= 6
+    assert waiting <= 8
+
+
+def test_a_flood_that_turns_the_queue_long_again_gets_no_new_burst():
+    clock = Clock()
+    trend = QueueTrend(TrendConfig(), clock)
+    for _ in range(20):  # 4 arrive per start for 2 s: filling
+        clock.now += 0.1
+        trend.arrival(1, long=False)
+        trend.arrival(1, long=False)
+        clock.now += 0.015
+        trend.arrival(1, long=False)
+        trend.start()
+    trend.arrival(1, long=True)  # it turns long: no burst, and it is filling
+    assert trend.state == "filling" and refused(trend, True)
+    for _ in range(30):  # requests coming together now do not make it a burst either
+        clock.now += 0.001
+        trend.arrival(1, long=True)
+        assert refused(trend, True)
+
+
+def test_a_closed_loop_of_clients_is_not_a_flood():
+    """64 clients, each sending again when answered: as many arrive as start."""
+    clock = Clock()
+    trend = QueueTrend(TrendConfig(), clock)
+    for i in range(64):
+        clock.now += 0.001
+        trend.arrival(1, long=i >= 3)
+    rng = random.Random(3)
+    for _ in range(300):
+        clock.now += rng.uniform(0.05, 0.3)
+        trend.start()  # one starts when one ends, whose client sends again at once
+        clock.now += 0.002
+        trend.arrival(1, long=True)
+        assert not refused(trend, True)
+
+
+def test_a_burst_is_bounded_in_time():
+    clock = Clock()
+    trend = QueueTrend(TrendConfig(burst_gap_s=0.02, burst_max_s=1.0), clock)
+    trend.arrival(1, long=True)
+    while clock.now < 101.5:
+        clock.now += 0.01
+        trend.arrival(1, long=True)
+    assert not trend.in_burst  # past a second of arrivals it is a flood, however tight
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.floats(0, 0.5), st.booleans(), st.booleans()), max_size=200))
+def test_counts_never_go_negative_and_state_is_known(ops):
+    clock = Clock()
+    trend = QueueTrend(TrendConfig(), clock)
+    for dt, is_start, long in ops:
+        clock.now += dt
+        if is_start:
+            trend.start()
+        else:
+            trend.arrival(1, long)
+        arrived, started = trend.counts()
+        assert arrived >= 0 and started >= 0
+        assert trend.state in ("short", "burst", "draining", "filling")
+
+
+def test_admission_serves_a_burst_whose_wait_is_long_and_sheds_a_flood():
+    """Through the admission controller: a burst 20 s deep is admitted whole (the deadline is
+    600 s away); under a flood, a newcomer predicted past the target is refused with
+    Retry-After while one of a better priority, with nobody ahead, is not."""
+    clock = Clock()
+    ac = AdmissionController(AdmissionConfig(queue_target_s=0.5), clock)
+    for i in range(64):
+        clock.now += 0.001
+        assert ac.admit([f"b{i}"], [100], priority=5, deadline=clock.now + 600).admitted
+    for i in range(20):  # one start every 0.3 s teaches the rate
+        clock.now += 0.3
+        ac.started(f"b{i}")
+    assert ac.predicted_wait(5) > 10
+    # A newcomer behind the draining burst waits, and is served.
+    assert ac.admit(["patient"], [100], priority=5, deadline=clock.now + 600).admitted
+    # Now more keep arriving than start: a flood.
+    decisions = []
+    for i in range(40):
+        clock.now += 0.05
+        decisions.append(ac.admit([f"f{i}"], [100], priority=5, deadline=clock.now + 600))
+        if i % 6 == 5:
+            ac.started(f"b{20 + i // 6}")
+    late = [d for d in decisions if not d.admitted]
+    assert late and all(d.reason == "overloaded" and d.retry_after_s >= 1 for d in late)
+    assert ac.admit(["vip"], [100], priority=0, deadline=clock.now + 600).admitted
