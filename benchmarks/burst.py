@@ -47,6 +47,7 @@ class BurstReport:
     seconds: float = 0.0
     output_tokens: int = 0
     errors: dict[str, int] = field(default_factory=dict)
+    messages: list[str] = field(default_factory=list)  # the first few errors, as told
 
 
 def start(target: str, model: str, port: int, flags: list[str]) -> tuple[subprocess.Popen, str]:
@@ -121,6 +122,8 @@ async def one_burst(url: str, model: str, index: int, seed: int, concurrency: in
             report.failed += 1
             kind = f"{getattr(exc, 'status_code', None)} {type(exc).__name__}"
             report.errors[kind] = report.errors.get(kind, 0) + 1
+            if len(report.messages) < 3:
+                report.messages.append(str(exc)[:300])
 
     t0 = time.perf_counter()
     async with http:
@@ -160,6 +163,8 @@ def main() -> int:
                 f"{r.output_tokens / r.seconds:.0f} out-tok/s {r.errors or ''}",
                 flush=True,
             )
+            for message in r.messages:
+                print(f"  {message}")
     finally:
         if proc is not None:
             stop_group(proc, 60)

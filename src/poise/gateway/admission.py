@@ -9,6 +9,12 @@ health checks still pass (as recently as a report must be fresh): its metrics ar
 that said there was room does not shed a pool whose probes pass. Otherwise silence counts as
 saturation: a hung process stops answering its probes and its reports in the same round.
 
+Capacity is counted per priority, as a replica's queue is: a request competes only with those
+let through of a priority at least as good as its own (lower values are better, as in vLLM). A
+flood of batch work that fills the pool's capacity therefore holds no interactive request at
+the gateway: the replicas schedule by priority and preempt the batch work for it, so the
+gateway lets it through, and holds back only more batch work.
+
 Waiting requests are ordered by priority, then arrival (``PriorityLine``): when room appears,
 the best goes first; when the line is full, the lowest priority is shed with 429 and
 ``Retry-After``; when nobody can be shed, the newcomer gets 503. A request that waits past the
@@ -42,8 +48,8 @@ class PoolGate:
         self.clock = clock
         self.on_refusal = on_refusal
         self.line = PriorityLine(QueueConfig(settings.max_queue, settings.queue_ttl_s), clock)
-        self.admitted = 0  # let through and not yet finished
-        self._waiters: dict[int, asyncio.Future[None]] = {}
+        self._admitted: dict[int, int] = {}  # let through and not yet finished, by priority
+        self._waiters: dict[int, tuple[int, asyncio.Future[None]]] = {}  # with their priority
         self._ids = itertools.count()
         self._pump: asyncio.Task[None] | None = None
 
@@ -62,16 +68,26 @@ class PoolGate:
         return total
 
     @property
+    def admitted(self) -> int:
+        """Let through and not yet finished, of every priority."""
+        return sum(self._admitted.values())
+
+    @property
     def saturated(self) -> bool:
+        """Saturated for the lowest priority: nothing more gets through without a better one."""
         return self.admitted >= self.capacity()
+
+    def saturated_for(self, priority: int) -> bool:
+        let_through = sum(n for p, n in self._admitted.items() if p <= priority)
+        return let_through >= self.capacity()
 
     async def enter(self, priority: int, deadline: float) -> None:
         """Return when the request may go to the pool (then ``leave`` once it is done)."""
-        if not self.line and not self.saturated:
-            self.admitted += 1
-            return
-        if not self.pool.eligible():  # nothing to wait for: the forwarder will say why
-            self.admitted += 1
+        best_waiting = self.line.best_priority()
+        ahead = best_waiting is not None and best_waiting <= priority
+        if (not ahead and not self.saturated_for(priority)) or not self.pool.eligible():
+            # With nothing eligible there is nothing to wait for: the forwarder will say why.
+            self._let_through(priority)
             return
         ident = next(self._ids)
         offer = self.line.offer(ident, priority)
@@ -87,7 +103,7 @@ class PoolGate:
         for victim in offer.shed:
             self._refuse(victim, "shed", "shed from the gateway's queue for higher-priority work")
         waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._waiters[ident] = waiter
+        self._waiters[ident] = (priority, waiter)
         if self._pump is None:
             self._pump = asyncio.create_task(self._run_pump())
         try:
@@ -96,7 +112,7 @@ class PoolGate:
         except TimeoutError:
             self._forget(ident)
             if _admitted(waiter):  # let in by the same loop pass that ended its wait
-                self.leave()
+                self.leave(priority)
             self.on_refusal(self.pool.model, "deadline")
             raise APIError(
                 504, "the request's deadline passed in the gateway's queue", code="timeout"
@@ -104,30 +120,42 @@ class PoolGate:
         except BaseException:  # the client left; give back a place we may already hold
             self._forget(ident)
             if _admitted(waiter):
-                self.leave()
+                self.leave(priority)
             raise
 
-    def leave(self) -> None:
-        self.admitted -= 1
+    def leave(self, priority: int) -> None:
+        """A request let through with this priority is done."""
+        left = self._admitted.get(priority, 0) - 1
+        if left > 0:
+            self._admitted[priority] = left
+        else:
+            self._admitted.pop(priority, None)
         self._admit()
+
+    def _let_through(self, priority: int) -> None:
+        self._admitted[priority] = self._admitted.get(priority, 0) + 1
 
     def _forget(self, ident: int) -> None:
         self.line.remove(ident)
         self._waiters.pop(ident, None)
 
     def _refuse(self, ident: object, reason: str, message: str) -> None:
-        waiter = self._waiters.pop(ident, None)  # type: ignore[call-overload]
+        entry = self._waiters.pop(ident, None)  # type: ignore[call-overload]
         self.on_refusal(self.pool.model, reason)
-        if waiter is not None and not waiter.done():
-            waiter.set_exception(APIError(429, message, code=reason, headers={"Retry-After": "1"}))
+        if entry is not None and not entry[1].done():
+            error = APIError(429, message, code=reason, headers={"Retry-After": "1"})
+            entry[1].set_exception(error)
 
     def _admit(self) -> None:
-        while self.line and not self.saturated:
+        while True:
+            best = self.line.best_priority()
+            if best is None or self.saturated_for(best):
+                return
             ident = self.line.pop()
-            waiter = self._waiters.pop(ident, None)  # type: ignore[call-overload]
-            if waiter is not None and not waiter.done():
-                self.admitted += 1
-                waiter.set_result(None)
+            entry = self._waiters.pop(ident, None)  # type: ignore[call-overload]
+            if entry is not None and not entry[1].done():
+                self._let_through(entry[0])
+                entry[1].set_result(None)
 
     async def _run_pump(self) -> None:
         try:

@@ -223,7 +223,8 @@ async def admit(
     record: RequestRecord,
     span: trace.Span | None,
 ) -> None:
-    """Through the model's admission queue (then ``gw.gates[model].leave()`` once done)."""
+    """Through the model's admission queue (then ``gw.gates[model].leave(priority)`` once
+    done)."""
     queued_at = time.perf_counter()
     admission = child(gw, span, "gateway admission", {"poise.priority": priority})
     try:

@@ -154,7 +154,7 @@ async def _handle(
 
     def ended() -> None:
         gw.budget.request_ended()
-        gate.leave()
+        gate.leave(priority)
 
     try:
         with CancelOnDisconnect(request.receive):

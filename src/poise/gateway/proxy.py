@@ -142,7 +142,7 @@ async def _handle(
 
     def ended() -> None:
         gw.budget.request_ended()
-        gate.leave()
+        gate.leave(priority)
 
     journeys: list[Attempt] = []
     try:

@@ -18,7 +18,7 @@ seconds. So a long wait alone refuses nothing here. A newcomer is refused at onc
 
 The decision happens before any expensive work and needs only what this object has seen: who
 is waiting, how fast waiting requests have been starting, and the server's own forecast of when
-running slots free up (``slot_wait``).
+running slots and KV blocks free up (``forecast``).
 
 The service-rate estimate is the mean interval between the last ``rate_window`` pairs of
 consecutive starts, counted only while someone was waiting throughout (idle time says nothing
@@ -30,7 +30,10 @@ short-memory average swings low right after a burst; admission acts on those low
 it towards taking too much. A plain mean over a few dozen intervals is steadier than an
 exponential one with the same responsiveness. A newcomer's wait is at least how long the queue
 has gone without a start, so a stalled engine stops admitting instead of trusting an old, fast
-rate.
+rate. Predictions err, mostly short (a request's own prefill is in its wait to the first token,
+and chunked prompts share steps), so the error measured on the last requests predicted near
+the target (its 90th percentile) is added to a newcomer's prediction before it is held against
+the target: the target holds on whatever host this runs.
 
 Priorities follow vLLM: lower values run first. A request is only queued behind those with a
 value at most its own, and the slot forecast counts the running requests of a lower priority as
@@ -48,9 +51,23 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Protocol
 
 from poise.resilience.queue_trend import QueueTrend, TrendConfig
+
+
+class Forecast(Protocol):
+    """The server's forecast of its running slots and KV pool (``poise.engine.forecast``)."""
+
+    def wait_s(self, position: int, priority: int | None = None, blocks: int = 0) -> float:
+        """Seconds until the ``position``-th in line of ``priority`` has a slot and the KV
+        blocks of ``blocks`` (its own and those ahead of it)."""
+        ...
+
+    def preemptible(self, priority: int | None) -> int:
+        """Running requests that one of ``priority`` may take the place of."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,12 +81,19 @@ class AdmissionConfig:
     trend: TrendConfig = field(default_factory=TrendConfig)
     rate_window: int = 32  # start intervals averaged for the service rate
     rate_max_age_s: float = 30.0  # ... none older than this
+    # How far actual waits ran past the predicted ones lately (this quantile of the last
+    # error_window requests predicted near the target) is added to a prediction before it is
+    # held against the target: the predictions' bias on this host, its own prefill included.
+    error_window: int = 64
+    error_quantile: float = 0.9
 
     def __post_init__(self) -> None:
         if self.max_waiting_requests < 1 or self.max_waiting_tokens < 1:
             raise ValueError("admission bounds must be at least 1")
         if self.rate_window < 1 or self.rate_max_age_s <= 0:
             raise ValueError("rate_window must be at least 1 and rate_max_age_s positive")
+        if self.error_window < 1 or not 0 <= self.error_quantile <= 1:
+            raise ValueError("error_window must be at least 1 and error_quantile in [0, 1]")
         if self.queue_target_s is not None and self.queue_target_s < 0:
             raise ValueError("queue_target_s must not be negative")
 
@@ -81,6 +105,8 @@ class Ticket:
     priority: int
     arrival: float
     blocks: int = 0  # the KV blocks it is projected to fill (0: not told)
+    predicted: float = 0.0  # its wait as predicted at admission
+    teaches: bool = False  # its actual wait is a sample of the predictions' error
 
     @property
     def shed_order(self) -> tuple[int, float]:
@@ -101,21 +127,20 @@ class AdmissionController:
         self,
         config: AdmissionConfig,
         clock: Callable[[], float],
-        slot_wait: Callable[[int, int], float] | None = None,
+        forecast: Callable[[], Forecast] | None = None,
     ) -> None:
-        """``slot_wait(k, priority, blocks)``: the server's own forecast, in seconds, of when
-        the k-th request in line of that priority gets a running slot and room in the KV pool
-        for ``blocks`` (its own and those of the requests ahead of it; see
-        ``poise.engine.forecast``); None when it has none."""
+        """``forecast()``: the server's own forecast now (``poise.engine.forecast``), or None
+        when it has none."""
         self.config = config
         self.clock = clock
-        self.slot_wait = slot_wait
+        self.forecast = forecast
         self.trend = QueueTrend(config.trend, clock)
         self.waiting: dict[str, Ticket] = {}
         self.waiting_tokens = 0
         self._intervals: deque[tuple[float, float]] = deque(maxlen=config.rate_window)  # (at, s)
         self._last_start: float | None = None
         self._queue_busy_since_last_start = False
+        self._errors: deque[float] = deque(maxlen=config.error_window)
 
     # ----- what the server asks -----
     @property
@@ -135,15 +160,20 @@ class AdmissionController:
         now, would start: the more pessimistic of the measured start rate and the server's
         forecast of slots and blocks for its last member."""
         ahead = [t for t in self.waiting.values() if t.priority <= priority]
-        by_rate = (
-            max(len(ahead) * (self.mean_start_interval_s or 0.0), self._stalled_s())
-            if ahead
-            else 0.0
-        )
         by_slots = 0.0
-        if self.slot_wait is not None:
+        paced = len(ahead)
+        if self.forecast is not None:
+            forecast = self.forecast()
             blocks = group_blocks + sum(t.blocks for t in ahead)
-            by_slots = self.slot_wait(len(ahead) + group_size, priority, blocks)
+            by_slots = forecast.wait_s(len(ahead) + group_size, priority, blocks)
+            # Those ahead that will take a lower priority's slot do not wait for the pace of
+            # starts (which the lower priority's long outputs set).
+            paced = min(
+                len(ahead), max(0, len(ahead) + group_size - 1 - forecast.preemptible(priority))
+            )
+        by_rate = (
+            max(paced * (self.mean_start_interval_s or 0.0), self._stalled_s()) if paced else 0.0
+        )
         return max(by_slots, by_rate)
 
     def admit(
@@ -166,8 +196,11 @@ class AdmissionController:
         now = self.clock()
         blocks = blocks or [0] * len(keys)
         wait = self.predicted_wait(priority, len(keys), sum(blocks))
+        target = self.config.queue_target_s
+        # A burst's members, and waits far from the target, say nothing of the error there.
+        teaches = not continuation and (target is None or wait <= 2 * target)
         tickets = [
-            Ticket(k, n, priority, now, b)
+            Ticket(k, n, priority, now, b, wait, teaches)
             for k, n, b in zip(keys, prompt_tokens, blocks, strict=True)
         ]
         if not self.config.enabled:
@@ -177,6 +210,8 @@ class AdmissionController:
             refusal = self._judge_wait(wait, len(keys), deadline, now)
             if refusal is not None:
                 return refusal
+            if self.trend.in_burst:
+                tickets = [replace(t, teaches=False) for t in tickets]
         shed = self._make_room(len(tickets), sum(prompt_tokens), priority)
         if shed is None:
             reason = (
@@ -196,8 +231,9 @@ class AdmissionController:
     ) -> Decision | None:
         """The refusal a newcomer's predicted wait earns, if any (see the module's rules)."""
         target = self.config.queue_target_s
-        long = target is not None and wait > target
-        self.trend.arrival(count, long)
+        long = target is not None and wait + self.wait_error_s > target
+        interval = self.mean_start_interval_s
+        self.trend.arrival(count, long, 1.0 / interval if interval else None)
         if deadline is not None and wait >= deadline - now:
             return self._refuse("deadline", wait, wait)
         if long and not self.trend.in_burst and self.trend.filling:
@@ -206,16 +242,31 @@ class AdmissionController:
         return None
 
     # ----- what the server reports -----
-    def started(self, key: str) -> None:
-        """The request left the queue by starting to run: one more sample of the start rate."""
-        if self._remove(key) is None:
-            return
+    def started(self, key: str) -> float | None:
+        """The request left the queue by starting to run: one more sample of the start rate.
+        Returns how much longer it waited than predicted (None: it was not waiting)."""
+        ticket = self._remove(key)
+        if ticket is None:
+            return None
         self.trend.start()
         now = self.clock()
+        error = now - ticket.arrival - ticket.predicted
+        if ticket.teaches:
+            self._errors.append(error)
         if self._last_start is not None and self._queue_busy_since_last_start:
             self._intervals.append((now, max(0.0, now - self._last_start)))
         self._last_start = now
         self._queue_busy_since_last_start = bool(self.waiting)
+        return error
+
+    @property
+    def wait_error_s(self) -> float:
+        """How far waits ran past their predictions lately, at ``error_quantile`` (at least 0;
+        0 until there are a few samples)."""
+        if len(self._errors) < 8:
+            return 0.0
+        ordered = sorted(self._errors)
+        return max(0.0, ordered[int(self.config.error_quantile * (len(ordered) - 1))])
 
     def left(self, key: str) -> None:
         """The request left the queue without starting (abort, timeout, error, shed)."""

@@ -53,6 +53,10 @@ class PriorityLine:
         bisect.insort(self._entries, entry, key=lambda e: (e[0], e[1]))
         return Offer(queued=True, shed=shed)
 
+    def best_priority(self) -> int | None:
+        """The priority of the entry that would leave first; None when empty."""
+        return self._entries[0][0] if self._entries else None
+
     def pop(self) -> Hashable | None:
         """The best entry, which leaves the line; None when empty."""
         return self._entries.pop(0)[3] if self._entries else None

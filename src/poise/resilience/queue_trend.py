@@ -12,20 +12,23 @@ demand) and how many started, so here the trend is counted rather than inferred 
 
 The rules, for a queue whose newcomers are predicted to wait past the target (a *long* queue):
 
-- A long queue that begins while arrivals are calm begins as a **burst**: the requests that
-  arrived together just before it turned long, and those that keep arriving together after
-  (each within ``burst_gap_s`` of the one before, for at most ``burst_max_s``), are its
-  members. A batch job's requests sent at once reach a server within a millisecond or two of
-  each other; a flood's arrive spread out. Members are not refused for their wait (their own
-  deadline still holds), and a burst is bounded, so they are not counted as demand afterwards:
-  arrivals and starts are both counted from its end, and what follows it is judged on its own.
-- Afterwards the queue is **filling** while the requests that arrived over the last
-  ``interval_s`` (refused or not) outnumber those that started by more than ``slack`` plus
-  ``margin`` of the starts. Only then are newcomers that would wait past the target refused. A
-  queue that drains (a burst being served, a closed loop of clients that each send again when
-  answered) is not filling, however long it is.
-- A long queue that begins while the queue is filling begins no burst: under a flood the queue
-  hovers around its target, and an allowance at each crossing would let the flood in by turns.
+- The queue is **filling** while the requests that arrived over the last ``interval_s`` (refused
+  or not) outnumber those that started by more than ``slack`` plus ``margin`` of the starts.
+  Only then are newcomers that would wait past the target refused. A queue that drains (a burst
+  being served, a closed loop of clients that each send again when answered) is not filling,
+  however long it is.
+- A **burst** is a run of arrivals, each within ``burst_gap_s`` of the one before, that began
+  while arrivals were calm (the queue not filling), at least ``burst_min`` strong and coming
+  ``burst_factor`` times faster than the server starts requests or more (any such run while
+  that rate is unknown). A batch job's requests sent at once reach a server hundreds a second,
+  even through a gateway on a busy machine; a flood of interactive clients arrives at a few
+  times the service rate. While a run is fast enough but still short of ``burst_min`` it has
+  the benefit of the doubt; once it is seen to be a burst, its members and those that keep
+  coming in the same run, for up to ``burst_max_s``, are not refused for their wait (their own
+  deadline still holds). A burst is bounded, so its members are not counted as demand: arrivals
+  and starts are both counted from its end, and what follows it is judged on its own.
+- A run that begins while the queue is filling is no burst: under a flood the queue hovers
+  around its target, and an allowance at each crossing would let the flood in by turns.
 
 No library counts this: rate limiters bound arrivals alone, and CoDel implementations act on
 packets' sojourn times. Pure, with the clock injected.
@@ -41,62 +44,61 @@ from dataclasses import dataclass
 @dataclass(frozen=True, slots=True)
 class TrendConfig:
     interval_s: float = 5.0  # arrivals and starts are compared over this much of the past
-    burst_gap_s: float = 0.02  # a burst's members arrive at most this far apart ...
-    burst_max_s: float = 1.0  # ... and within this long of its first
     margin: float = 0.1  # arrivals may exceed starts by this share of the starts ...
     slack: int = 2  # ... plus this many, before the queue counts as filling
+    burst_gap_s: float = 0.1  # a burst's members arrive at most this far apart ...
+    burst_min: int = 8  # ... at least this many of them ...
+    burst_factor: float = 5.0  # ... this many times faster than requests start, or more ...
+    burst_max_s: float = 0.5  # ... and its members come within this long of its first
 
     def __post_init__(self) -> None:
         if self.interval_s <= 0 or self.burst_gap_s < 0 or self.burst_max_s < 0:
             raise ValueError(
                 "interval_s must be positive, burst_gap_s and burst_max_s not negative"
             )
-        if self.margin < 0 or self.slack < 0:
-            raise ValueError("margin and slack must not be negative")
+        if self.margin < 0 or self.slack < 0 or self.burst_min < 1 or self.burst_factor < 0:
+            raise ValueError("margin, slack, burst_factor >= 0 and burst_min >= 1")
 
 
 class QueueTrend:
     def __init__(self, config: TrendConfig, clock: Callable[[], float]) -> None:
         self.config = config
         self.clock = clock
-        self._arrivals: deque[float] = deque()  # arrival times, a burst's members left out
-        self._starts: deque[float] = deque()
+        self._arrivals: deque[float] = deque()  # over the interval, a burst's members left out
+        self._starts: deque[float] = deque()  # over the interval
+        self._counted_from = float("-inf")  # demand is counted from here: a burst ended then
         self._long = False
         self._last_arrival = float("-inf")
-        self._together_since = float("-inf")  # the first of the arrivals coming together now
-        self._burst_since: float | None = None  # the first member of the burst going on
-        self._counted_from = float("-inf")  # nothing before this counts: a burst ended then
+        self._run_since = float("-inf")  # the first of the run of arrivals going on
+        self._run_size = 0
+        self._run_calm = False  # the queue was not filling when the run began
+        self._dense = False  # the run comes fast enough to be a burst
+        self._burst = False  # the run is a burst
 
     # ----- what happens -----
-    def arrival(self, count: int, long: bool) -> None:
-        """``count`` requests arrived together; ``long``: they would wait past the target."""
+    def arrival(self, count: int, long: bool, service_rate: float | None = None) -> None:
+        """``count`` requests arrived together; ``long``: they would wait past the target;
+        ``service_rate``: requests started per second while busy, when known."""
         now = self.clock()
-        c = self.config
-        previous, self._last_arrival = self._last_arrival, now
-        if now - previous > c.burst_gap_s:
-            self._together_since = now
-        if self._burst_since is not None:
-            if (
-                self._together_since == self._burst_since
-                and now - self._burst_since <= c.burst_max_s
-            ):
-                return  # a member of the burst going on
-            self._burst_since = None
-            self._counted_from = previous  # it ended with the arrival before this one
         self._prune(now)
-        if not long:
-            self._long = False
-        elif not self._long:
-            self._long = True
-            # Calm is judged without the arrivals that came together with this one: a burst's
-            # first members found the queue short and were counted before it turned long.
-            head = self._together_since
-            if not self._exceeds(sum(1 for t in self._arrivals if t < head)):
-                while self._arrivals and self._arrivals[-1] >= head:
-                    self._arrivals.pop()
-                self._burst_since = head
-                return
+        previous, self._last_arrival = self._last_arrival, now
+        self._long = long
+        new_run = now - previous > self.config.burst_gap_s
+        if self._burst:
+            if not new_run and now - self._run_since <= self.config.burst_max_s:
+                self._run_size += count
+                return  # a member of the burst going on
+            self._end_burst(previous)
+        if new_run:
+            self._run_since, self._run_size = now, 0
+            self._run_calm = not self._exceeds(len(self._arrivals))
+        self._run_size += count
+        self._dense = self._run_is_dense(now, service_rate)
         self._arrivals.extend([now] * count)
+        if self._run_calm and self._dense and self._run_size >= self.config.burst_min:
+            self._burst = True  # its members so far are no demand either
+            while self._arrivals and self._arrivals[-1] >= self._run_since:
+                self._arrivals.pop()
 
     def start(self) -> None:
         """A waiting request started."""
@@ -107,8 +109,10 @@ class QueueTrend:
     # ----- what it says -----
     @property
     def in_burst(self) -> bool:
-        """The last arrival was a member of a burst (and nothing has ended it since)."""
-        return self._burst_since is not None
+        """The last arrival belongs to a burst, or to a run that may still prove to be one."""
+        return self._burst or (
+            self._run_calm and self._dense and self._run_size < self.config.burst_min
+        )
 
     @property
     def filling(self) -> bool:
@@ -116,29 +120,50 @@ class QueueTrend:
         return self._exceeds(len(self._arrivals))
 
     def counts(self) -> tuple[int, int]:
-        """(arrivals counted, starts) over the last interval."""
+        """(arrivals, starts) counted over the last interval."""
         self._prune(self.clock())
-        return len(self._arrivals), len(self._starts)
+        return len(self._arrivals), self._counted_starts()
 
     @property
     def state(self) -> str:
-        """short, burst, filling or draining: for metrics and /debug/state."""
+        """burst, short, filling or draining: for metrics and /debug/state."""
+        if self._burst:
+            return "burst"
         if not self._long:
             return "short"
-        if self.in_burst:
-            return "burst"
         return "filling" if self.filling else "draining"
 
     # ----- inside -----
+    def _extend_run(self, now: float, count: int) -> None:
+        if now - self._last_arrival > self.config.burst_gap_s:
+            self._run_since, self._run_size = now, 0
+        self._last_arrival = now
+        self._run_size += count
+
+    def _run_is_dense(self, now: float, service_rate: float | None) -> bool:
+        """The run comes ``burst_factor`` times faster than requests start (any run, while
+        that rate is unknown)."""
+        if service_rate is None:
+            return True
+        span = max(now - self._run_since, 1e-3)
+        return self._run_size / span >= self.config.burst_factor * service_rate
+
+    def _end_burst(self, last_member: float) -> None:
+        self._burst = False
+        self._run_calm = False  # a run that outlasts its burst is a flood, not a second burst
+        self._counted_from = last_member
+        self._arrivals.clear()
+
+    def _counted_starts(self) -> int:
+        return sum(1 for t in self._starts if t > self._counted_from)
+
     def _exceeds(self, arrivals: int) -> bool:
         c = self.config
-        starts = len(self._starts)
+        starts = self._counted_starts()
         return arrivals > starts + c.slack + c.margin * starts
 
     def _prune(self, now: float) -> None:
-        # A burst's members are not demand to hold against what follows it: arrivals and
-        # starts are both counted from its end, so the queue it made drains on its own.
-        horizon = max(now - self.config.interval_s, self._counted_from)
+        horizon = now - self.config.interval_s
         for times in (self._arrivals, self._starts):
             while times and times[0] <= horizon:
                 times.popleft()

@@ -137,6 +137,7 @@ class _EngineCollector(Collector):
         )
 
 
+WAIT_ERROR_BUCKETS = (-2.0, -1.0, -0.5, -0.25, -0.1, 0.0, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0)
 QUEUE_STATES = ("short", "burst", "draining", "filling")
 REFUSAL_BUCKETS = (0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.025, 0.05, 0.1)
 
@@ -175,6 +176,14 @@ class ServerMetrics:
             m,
             registry=r,
             buckets=REFUSAL_BUCKETS,
+        )
+        self.wait_error = Histogram(
+            "poise_admission_wait_error_seconds",
+            "How much longer a request waited for its first token than admission predicted "
+            "(negative: shorter).",
+            m,
+            registry=r,
+            buckets=WAIT_ERROR_BUCKETS,
         )
         self.success = Counter(
             "vllm:request_success",

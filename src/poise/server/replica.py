@@ -89,10 +89,8 @@ class Replica:
                 trend=TrendConfig(burst_gap_s=settings.burst_gap_s),
             ),
             clock,
-            # A lambda, not the bound method: the engine replaces its stats after every step.
-            slot_wait=lambda k, priority, blocks: engine.stats.forecast.wait_s(  # noqa: PLW0108
-                k, priority, blocks
-            ),
+            # Read at each decision: the engine replaces its stats after every step.
+            forecast=lambda: engine.stats.forecast,
         )
         self.metrics = ServerMetrics(self.model_name, self.snapshot)
         self.inflight: dict[str, _InFlight] = {}
@@ -195,6 +193,7 @@ class Replica:
                 "predicted_wait_s": self.admission.predicted_wait(0),
                 "saturated": self.admission.saturated,
                 "queue_state": self.admission.trend.state,
+                "wait_error_s": round(self.admission.wait_error_s, 4),
                 "arrived_started": list(self.admission.trend.counts()),
             },
             "inflight_requests": len(self.inflight),
@@ -389,7 +388,9 @@ class Replica:
                     if new:
                         if tracked.first_token is None:
                             tracked.first_token = now
-                            self.admission.started(key)
+                            error = self.admission.started(key)
+                            if error is not None:
+                                m.wait_error.labels(model).observe(error)
                             m.ttft.labels(model).observe(now - tracked.arrival)
                         elif tracked.last_token is not None:
                             m.itl.labels(model).observe((now - tracked.last_token) / new)

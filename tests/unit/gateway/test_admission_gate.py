@@ -65,10 +65,10 @@ async def test_waiting_requests_go_best_priority_first():
     tasks = [asyncio.create_task(wait("low", 5)), asyncio.create_task(wait("high", 0))]
     await asyncio.sleep(0.01)
     assert len(g.line) == 2 and order == []
-    g.leave()
+    g.leave(0)
     await asyncio.sleep(0.01)
     assert order == ["high"]
-    g.leave()
+    g.leave(0)
     await asyncio.gather(*tasks)
     assert order == ["high", "low"] and g.admitted == 1
 
@@ -87,7 +87,7 @@ async def test_full_queue_sheds_lower_priority_with_429_and_refuses_with_503():
     with pytest.raises(APIError) as full:
         await g.enter(3, clock.now + 30)
     assert full.value.status == 503 and full.value.code == "queue_full"
-    g.leave()
+    g.leave(0)
     await high
     assert g.refusals == ["shed", "queue_full"]  # type: ignore[attr-defined]
 
@@ -117,7 +117,7 @@ async def test_a_client_that_leaves_gives_its_place_back():
     with pytest.raises(asyncio.CancelledError):
         await waiting
     assert len(g.line) == 0 and g.admitted == 1
-    g.leave()
+    g.leave(0)
     assert g.admitted == 0
 
 
@@ -128,10 +128,40 @@ async def test_a_place_given_as_the_deadline_fires_is_given_back():
     await g.enter(0, clock.now + 30)  # takes the only place
     late = asyncio.create_task(g.enter(0, clock.now))  # its deadline has passed: times out now
     await asyncio.sleep(0)  # it waits in the line, its timeout due in the next loop pass
-    g.leave()  # ... and in this pass the place goes to it
+    g.leave(0)  # ... and in this pass the place goes to it
     with pytest.raises(APIError) as err:
         await late
     assert err.value.status == 504
     assert g.admitted == 0  # nobody holds a place
     await g.enter(0, clock.now + 30)  # and the next request gets it at once
     assert g.admitted == 1
+
+
+async def test_batch_work_that_fills_the_pool_holds_no_better_priority_back():
+    """Capacity counts what is let through of a priority at least as good: a flood of batch
+    work (priority 10) at capacity leaves room for an interactive request (priority 0), which
+    the replicas schedule first; more batch work waits, and goes when one finishes."""
+    clock = Clock()
+    g = gate(clock, max_inflight_per_backend=2)
+    for _ in range(2):
+        await g.enter(10, clock.now + 30)
+    assert g.saturated and g.saturated_for(10) and not g.saturated_for(0)
+    more_batch = asyncio.create_task(g.enter(10, clock.now + 30))
+    await asyncio.sleep(0.01)
+    assert len(g.line) == 1
+    await asyncio.wait_for(g.enter(0, clock.now + 30), 1)  # straight through
+    await g.enter(0, clock.now + 30)
+    assert g.saturated_for(0) and g.admitted == 4
+    interactive = asyncio.create_task(g.enter(0, clock.now + 30))  # two ahead of its kind
+    await asyncio.sleep(0.01)
+    g.leave(10)  # a batch request ends: room for batch again, the interactive one goes first
+    await asyncio.sleep(0.01)
+    assert not more_batch.done() and not interactive.done()  # 0-priority still at capacity
+    g.leave(0)
+    await asyncio.wait_for(interactive, 1)
+    g.leave(0)  # batch competes with everything let through: 1 batch + 1 interactive
+    await asyncio.sleep(0.01)
+    assert not more_batch.done()
+    g.leave(10)
+    await asyncio.wait_for(more_batch, 1)
+    assert g.admitted == 2 and len(g.line) == 0

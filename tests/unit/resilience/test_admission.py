@@ -17,6 +17,24 @@ class Clock:
         return self.now
 
 
+class FakeForecast:
+    """The server's forecast as admission reads it: a fixed wait, and the priorities of the
+    running requests (a newcomer may take the place of those with a higher value); what it
+    was asked is kept."""
+
+    def __init__(self, wait: float = 0.0, running: list[int] | None = None) -> None:
+        self.wait = wait
+        self.running = running or []
+        self.asked: list[tuple[int, int | None, int]] = []
+
+    def wait_s(self, position: int, priority: int | None = None, blocks: int = 0) -> float:
+        self.asked.append((position, priority, blocks))
+        return self.wait
+
+    def preemptible(self, priority: int | None) -> int:
+        return 0 if priority is None else sum(1 for p in self.running if p > priority)
+
+
 def make(**config) -> tuple[AdmissionController, Clock]:
     clock = Clock()
     return AdmissionController(AdmissionConfig(**config), clock), clock
@@ -155,14 +173,8 @@ def test_bounds_and_token_accounting_always_hold(ops):
 def test_the_servers_slot_forecast_overrides_an_optimistic_start_rate():
     """A queue that starts requests quickly on average can still be a whole wave away."""
     clock = Clock()
-    forecast = {"wait": 0.0}
-    asked: list[tuple[int, int, int]] = []
-
-    def slot_wait(k: int, priority: int, blocks: int) -> float:
-        asked.append((k, priority, blocks))
-        return forecast["wait"]
-
-    ac = AdmissionController(AdmissionConfig(queue_target_s=0.5), clock, slot_wait=slot_wait)
+    forecast = FakeForecast()
+    ac = AdmissionController(AdmissionConfig(queue_target_s=0.5), clock, lambda: forecast)
     ac.admit(["a", "b"], [1, 1], blocks=[3, 4])
     clock.now += 0.1
     ac.started("a")
@@ -170,11 +182,11 @@ def test_the_servers_slot_forecast_overrides_an_optimistic_start_rate():
     ac.started("b")
     ac.admit(["c"], [1], blocks=[5])
     assert ac.predicted_wait(0) == pytest.approx(0.1)
-    forecast["wait"] = 3.0
+    forecast.wait = 3.0
     assert ac.predicted_wait(0) == pytest.approx(3.0)
     # It is asked about the place in line, the priority and the blocks of all up to it.
     assert ac.predicted_wait(2, group_size=2, group_blocks=6) == pytest.approx(3.0)
-    assert asked[-1] == (3, 2, 11)
+    assert forecast.asked[-1] == (3, 2, 11)
     refused = ac.admit(["e"], [1], deadline=clock.now + 2.0)
     assert not refused.admitted and refused.reason == "deadline"
     assert refused.predicted_wait_s == pytest.approx(3.0)
@@ -204,7 +216,7 @@ def test_a_resumed_stream_is_taken_past_the_wait_rules_but_not_past_a_full_queue
     ac = AdmissionController(
         AdmissionConfig(queue_target_s=0.3, max_waiting_requests=2),
         clock,
-        slot_wait=lambda k, priority, blocks: 2.0,
+        lambda: FakeForecast(wait=2.0),
     )
     assert ac.admit(["late"], [1], deadline=clock.now + 1).reason == "deadline"
     assert ac.admit(["resumed"], [1], deadline=clock.now + 1, continuation=True).admitted
@@ -230,3 +242,24 @@ def test_a_slow_spell_long_past_does_not_refuse_todays_work():
     assert ac.mean_start_interval_s is None
     # Judged by the slot forecast and stalls alone.
     assert ac.admit(["g"], [1], deadline=clock.now + 1.5).admitted
+
+
+def test_requests_that_will_take_a_lower_prioritys_slot_do_not_wait_for_its_pace():
+    """Batch work holds every slot and starts one request a second; an interactive request
+    behind two others of its priority takes a batch slot, as they do: the batch's pace is no
+    wait for it (it refused interactive requests under a batch flood)."""
+    clock = Clock()
+    forecast = FakeForecast(wait=0.05, running=[10] * 8)
+    ac = AdmissionController(AdmissionConfig(queue_target_s=0.5), clock, lambda: forecast)
+    ac.admit([f"batch{i}" for i in range(6)], [1] * 6, priority=10)
+    for i in range(4):
+        clock.now += 1.0
+        ac.started(f"batch{i}")
+    assert ac.mean_start_interval_s == pytest.approx(1.0)
+    ac.admit(["i1", "i2"], [1, 1], priority=0)
+    assert ac.predicted_wait(0) == pytest.approx(0.05)  # the forecast alone
+    assert ac.predicted_wait(10) >= 4.0  # four ahead at a second each
+    # One batch slot to take: the first in line takes it; the newcomer, third, is paced as
+    # if second (one start interval), not third.
+    forecast.running = [10] + [0] * 7
+    assert ac.predicted_wait(0) == pytest.approx(1.0)

@@ -57,16 +57,12 @@ def test_the_next_burst_after_the_last_one_drained_is_a_burst_too():
 
 
 def test_a_flood_fills_and_its_newcomers_past_the_target_are_refused():
-    """Twice as many arrive as start; the queue turns long while they do."""
+    """Twice as many arrive as start (every 83 ms, against a start every 167 ms); a newcomer
+    finds the queue long with two waiting."""
     clock = Clock()
     trend = QueueTrend(TrendConfig(), clock)
-    rng = random.Random(7)
-    events = []
-    t = 0.0
-    while t < 20:
-        t += rng.expovariate(12.0)
-        events.append((t, "arrival"))
-    events += [(k / 6.0, "start") for k in range(1, 120)]
+    events = [(k / 12.0, "arrival") for k in range(1, 240)]
+    events += [(k / 6.0 + 0.01, "start") for k in range(1, 120)]
     waiting, refusals, long_admitted = 0, 0, 0
     for t, kind in sorted(events):
         clock.now = 100.0 + t
@@ -76,33 +72,48 @@ def test_a_flood_fills_and_its_newcomers_past_the_target_are_refused():
                 trend.start()
             continue
         long = waiting >= 2
-        trend.arrival(1, long)
+        trend.arrival(1, long, service_rate=6.0)
         if refused(trend, long):
             refusals += 1
         else:
             waiting += 1
             long_admitted += long
     assert refusals > 100
-    # The queue is held near the target: few requests got in past it, and none for long.
-    assert long_admitted <= 6
-    assert waiting <= 8
+    # The queue is held near the target: few got in past it (the slack), and none for long.
+    assert long_admitted <= 4
+    assert waiting <= 4
+
+
+def test_a_dense_run_is_a_burst_and_a_sparse_one_is_not():
+    """At 6 starts a second, eight requests within 40 ms are a burst; eight 100 ms apart (the
+    pace of a flood at 10 a second) are not, and get the benefit of the doubt for one only."""
+    for gap, burst in ((0.005, True), (0.099, False)):
+        clock = Clock()
+        trend = QueueTrend(TrendConfig(), clock)
+        free = 0
+        for _ in range(12):
+            clock.now += gap
+            trend.arrival(1, long=True, service_rate=6.0)
+            free += trend.in_burst
+        assert (trend.state == "burst") is burst
+        assert free == (12 if burst else 1)
 
 
 def test_a_flood_that_turns_the_queue_long_again_gets_no_new_burst():
     clock = Clock()
     trend = QueueTrend(TrendConfig(), clock)
-    for _ in range(20):  # 4 arrive per start for 2 s: filling
-        clock.now += 0.1
-        trend.arrival(1, long=False)
-        trend.arrival(1, long=False)
-        clock.now += 0.015
-        trend.arrival(1, long=False)
+    for _ in range(20):  # 3 arrive per start for 2.3 s, 8.7 starts a second: filling
+        clock.now += 0.101
+        trend.arrival(1, long=False, service_rate=8.7)
+        trend.arrival(1, long=False, service_rate=8.7)
+        clock.now += 0.014
+        trend.arrival(1, long=False, service_rate=8.7)
         trend.start()
-    trend.arrival(1, long=True)  # it turns long: no burst, and it is filling
+    trend.arrival(1, long=True, service_rate=8.7)  # it turns long: no burst, and it is filling
     assert trend.state == "filling" and refused(trend, True)
     for _ in range(30):  # requests coming together now do not make it a burst either
         clock.now += 0.001
-        trend.arrival(1, long=True)
+        trend.arrival(1, long=True, service_rate=8.7)
         assert refused(trend, True)
 
 
