@@ -7,8 +7,11 @@ class FixedStepBudget:
     def __init__(self, tokens: int, cap: int) -> None:
         self.tokens, self.cap = tokens, cap
 
-    def prefill_room(self, decodes: int) -> int:
-        return max(1, self.tokens - decodes)
+    def prefill_room(self, decodes: int, share: float = 1.0) -> int:
+        return max(1, int(share * self.tokens) - decodes)
+
+    def decode_room(self, decodes: int, share: float, prefill_tokens: int = 0) -> int:
+        return max(0, int(share * self.tokens) - decodes - prefill_tokens)
 
     def max_running(self) -> int:
         return self.cap

@@ -169,7 +169,12 @@ class SlotForecaster:
             release_steps=tuple(steps),
             step_s=self.step_s or 0.0,
             cycle_steps=round(typical) if typical is not None else (steps[-1] if steps else 0),
-            growth_slots=self.max_num_seqs - max(cap, len(steps)) if cap_grows else 0,
+            # The cap grows one at a time while steps leave room, and how far is not known:
+            # at most as far again as it stands (a burst of hundreds is not promised slots that
+            # a budget may never open; beyond, they wait for running requests to end).
+            growth_slots=min(self.max_num_seqs - max(cap, len(steps)), max(cap, 1))
+            if cap_grows
+            else 0,
             running_priorities=tuple(sorted(priorities)),
             block_size=16 if pool is None else pool.block_size,
             kv_headroom_blocks=1 << 30 if pool is None else pool.free_blocks - owed,

@@ -15,9 +15,12 @@ Running requests are served first, best (priority, arrival) first. Preemption fr
 request's blocks and sends it back to the waiting queue to be recomputed later (its full blocks
 usually survive in the prefix cache). It chooses its victims by priority, then by cost:
 
-- A waiting request of a better priority than a running one takes its place when the running
-  set is at its cap, or when the pool has no blocks for it: a flood of batch work does not keep
-  interactive requests waiting for slots or blocks it holds. The victim is the newest of the
+- Worse priorities give way without losing work. For a waiting request the running set's cap
+  counts only running requests of a priority at least as good as its own, and under a time
+  budget worse-priority work fills a step only up to ``lower_priority_share`` of it, best
+  first; the rest sits the step out, its blocks kept. A flood of batch work thus neither keeps
+  an interactive request from a slot nor slows its tokens. When the pool has no blocks for a
+  waiting request of a better priority, a worse one is preempted for it: the newest of the
   worst priority (the least work lost).
 - When the pool has no block for a running request, the victim among those of the worst
   priority (the request itself included) is the one that wants the most: the largest projected
@@ -59,6 +62,11 @@ class SchedulerConfig:
     max_num_seqs: int = 64  # cap on running requests
     max_num_batched_tokens: int = 2048  # token budget of one step
     max_preemptions: int = 3  # after this many, a request is not chosen as a victim
+    # Under a step-time budget, while better-priority requests run, worse-priority work fills a
+    # step only up to this share of the budget (the rest of it waits, paused, its blocks kept):
+    # a batch flood neither slows interactive requests' tokens nor, through that, makes more of
+    # them run at once until they fill the running set.
+    lower_priority_share: float = 0.5
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
@@ -68,7 +76,8 @@ class SchedulerConfig:
 class StepTimeBudget(Protocol):
     """What a step's time allows (``poise.engine.step_budget.StepBudget``); None: no limit."""
 
-    def prefill_room(self, decodes: int) -> int | None: ...
+    def prefill_room(self, decodes: int, share: float = 1.0) -> int | None: ...
+    def decode_room(self, decodes: int, share: float, prefill_tokens: int = 0) -> int | None: ...
     def max_running(self) -> int | None: ...
 
 
@@ -185,14 +194,12 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         self._expire_deadlines()
         preempted: list[str] = []
-        self._make_room_for_priority(preempted)
-        for_priority = len(preempted)
-        scheduled, budget = self._schedule_running(preempted)
-        if not scheduled and self.running:
+        scheduled, budget, paused = self._schedule_running(preempted)
+        if not scheduled and len(self.running) > len(paused):
             # Everyone left is protected by the preemption cap and blocked: let the worst go.
             self._preempt(max(self.running, key=lambda r: r.sort_key), preempted)
-            scheduled, budget = self._schedule_running(preempted)
-        if len(preempted) == for_priority:  # no running request was short of blocks
+            scheduled, budget, paused = self._schedule_running(preempted)
+        if not preempted:  # no running request was short of blocks
             budget = self._admit_waiting(scheduled, budget, self._room(scheduled), preempted)
         finished, self._finished_ids = self._finished_ids, []
         return SchedulerOutput(
@@ -219,32 +226,52 @@ class Scheduler:
             return None
         return room - sum(len(s.token_ids) for s in scheduled if not s.is_decode)
 
-    def _schedule_running(self, preempted: list[str]) -> tuple[list[ScheduledSequence], int]:
+    def _schedule_running(
+        self, preempted: list[str]
+    ) -> tuple[list[ScheduledSequence], int, set[str]]:
+        """The running requests' work this step, the token budget it leaves, and which sat the
+        step out for a better priority."""
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledSequence] = []
         self.running.sort(key=lambda r: r.sort_key)
+        paused, lower_room = self._pause_lower_priorities()
         # With a time budget, decode tokens first: what they leave goes to prefill chunks.
-        decodes = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1)
+        decodes = sum(
+            1
+            for r in self.running
+            if r.num_tokens - r.num_computed_tokens == 1 and r.request_id not in paused
+        )
         prefill_room = self._prefill_room(decodes)
         if prefill_room is not None:
             prefill_room = max(prefill_room, self.kv.block_size)
+        best = self.running[0].priority if self.running else 0
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             left = request.num_tokens - request.num_computed_tokens
+            if request.request_id in paused:
+                i += 1
+                continue
             n = min(left, budget)
             if prefill_room is not None and left > 1:
                 n = min(n, prefill_room)
+                if request.priority > best and lower_room is not None:
+                    n = min(n, lower_room)
                 if n <= 0:
                     i += 1
                     continue
                 prefill_room -= n
+                if request.priority > best and lower_room is not None:
+                    lower_room -= n
             admitted = True
             while not self.kv.allocate_slots(request, n):
-                victim = self._pick_victim(self.running[i + 1 :], request)
+                victim = self._pick_victim(request)
                 if victim is None:
                     admitted = False  # protected and alone: it waits for blocks to come back
                     break
+                if self.running.index(victim) < i:
+                    i -= 1  # scheduled earlier in this step: its work comes out again
+                    budget += self._unschedule(scheduled, victim.request_id)
                 self._preempt(victim, preempted)
                 if victim is request:
                     admitted = False
@@ -256,13 +283,60 @@ class Scheduler:
             scheduled.append(self._scheduled(request, n))
             budget -= n
             i += 1
-        return scheduled, budget
+        return scheduled, budget, paused
 
-    def _pick_victim(self, later: list[Request], current: Request) -> Request | None:
+    def _pause_lower_priorities(self) -> tuple[set[str], int | None]:
+        """Which decoding requests of a worse priority than the best running sit this step out,
+        and the prompt tokens left for the worse priorities' chunks (None: no such limit).
+
+        Needs ``running`` sorted. The best priority's work is the step's, its prompt chunks
+        included (an interactive request's first token is not held behind batch decodes);
+        worse priorities' decodes and chunks come after it, best first, as far as they keep
+        the step within ``lower_priority_share`` of the budget."""
+        budget, share = self.time_budget, self.config.lower_priority_share
+        if budget is None or not self.running:
+            return set(), None
+        # The best priority among those running and those about to start (the head of the
+        # line, as far as the cap has slots for it).
+        head = next((r for r in self.waiting if not r.is_probe), None)
+        best = (
+            self.running[0].priority
+            if head is None
+            else min(head.priority, self.running[0].priority)
+        )
+        slots = self.max_running - sum(1 for r in self.running if r.priority <= best)
+        starting = [r for r in self.waiting if r.priority == best and not r.is_probe][
+            : max(0, slots)
+        ]
+        decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        lower = [r for r in decoding if r.priority > best]
+        if not lower:
+            return set(), None
+        ahead = len(decoding) - len(lower)
+        prompts = sum(
+            r.num_tokens - r.num_computed_tokens
+            for r in (*self.running, *starting)
+            if r.priority == best and r.num_tokens - r.num_computed_tokens > 1
+        )
+        best_room = budget.prefill_room(ahead)
+        prompts = prompts if best_room is None else min(prompts, best_room)
+        room = budget.decode_room(ahead, share, prompts)
+        if room is None:
+            return set(), None
+        lower_room = budget.prefill_room(ahead + min(room, len(lower)), share)
+        lower_room = None if lower_room is None else max(0, lower_room - prompts)
+        return {r.request_id for r in lower[room:]}, lower_room
+
+    def _pick_victim(self, current: Request) -> Request | None:
         """Who gives its blocks back when ``current`` has none: of the worst priority among
-        those after it and itself, the one that wants the most blocks."""
+        the running requests no better than it (itself included), the one that wants the most
+        blocks, the newest of those."""
         cap = self.config.max_preemptions
-        candidates = [r for r in (*later, current) if r.num_preemptions < cap]
+        candidates = [
+            r
+            for r in self.running
+            if r.priority >= current.priority and r.num_preemptions < cap and not r.is_probe
+        ]
         if not candidates:
             return None
         worst = max(r.priority for r in candidates)
@@ -297,16 +371,6 @@ class Scheduler:
                 waiting += need
         return KVPicture(allocated, unused, waiting, preempted)
 
-    def _make_room_for_priority(self, preempted: list[str]) -> None:
-        """Preempt running requests of a worse priority for waiting ones of a better, as far as
-        the running set's cap keeps the better ones out."""
-        for taken, request in enumerate([r for r in self.waiting if not r.is_probe]):
-            while len(self.running) + taken >= self.max_running:
-                victim = self._priority_victim(request)
-                if victim is None:
-                    return
-                self._preempt(victim, preempted)
-
     def _priority_victim(self, request: Request) -> Request | None:
         """The newest running request of the worst priority, if worse than ``request``'s and
         not protected by the preemption cap."""
@@ -338,11 +402,18 @@ class Scheduler:
         bs = self.kv.block_size
         max_running = self.max_running
         i = looked_past = 0
-        while i < len(self.waiting) and (
-            self.waiting[i].is_probe
-            or (budget > 0 and len(self.running) < max_running and (room is None or room > 0))
-        ):
+        while i < len(self.waiting):
             request = self.waiting[i]
+            if not request.is_probe:
+                if budget <= 0 or (room is not None and room <= 0):
+                    break
+                if not self._has_slot(request, max_running):
+                    victim = self._seat_of(request, max_running)
+                    if victim is None:
+                        break
+                    self._preempt(victim, preempted)
+                    budget += self._unschedule(scheduled, victim.request_id)
+                    continue
             hits = self.kv.get_computed_blocks(request)
             n_cached = len(hits) * bs
             left = request.num_tokens - n_cached
@@ -372,6 +443,22 @@ class Scheduler:
             if room is not None:
                 room -= n
         return budget
+
+    def _seat_of(self, request: Request, max_running: int) -> Request | None:
+        """Whom ``request`` may take the seat of when the running set is full in all
+        (``max_num_seqs``) though not for its priority: a worse-priority request, preempted."""
+        full = len(self.running) >= self.config.max_num_seqs
+        ahead = sum(1 for r in self.running if r.priority <= request.priority)
+        return self._priority_victim(request) if full and ahead < max_running else None
+
+    def _has_slot(self, request: Request, max_running: int) -> bool:
+        """A slot under the cap, counting only running requests of a priority at least as good
+        (worse ones give way: they sit out steps, see ``_pause_lower_priorities``), and one
+        under ``max_num_seqs`` in all (what the engine is sized for)."""
+        if len(self.running) >= self.config.max_num_seqs:
+            return False
+        ahead = sum(1 for r in self.running if r.priority <= request.priority)
+        return ahead < max_running
 
     @staticmethod
     def _unschedule(scheduled: list[ScheduledSequence], request_id: str) -> int:

@@ -176,15 +176,28 @@ class StepBudget:
             self._cap = None  # back in reach, the cap starts again from what runs then
         return self._reachable
 
-    def prefill_room(self, decodes: int) -> int | None:
-        """Prompt tokens a step with ``decodes`` decode tokens may add; None: no limit."""
+    def prefill_room(self, decodes: int, share: float = 1.0) -> int | None:
+        """Prompt tokens a step with ``decodes`` decode tokens may add within ``share`` of the
+        target (and what earlier steps banked); None: no limit."""
         fit = self.line()
         if fit is None or not self.reachable:
             return None
         a, b_d, b_p = fit
-        left = self.config.target_s + max(0.0, self.bank_s) - a - b_d * decodes
+        left = share * self.config.target_s + max(0.0, self.bank_s) - a - b_d * decodes
         room = left / b_p if b_p > 0 else (math.inf if left > 0 else 0.0)
         return max(self.config.min_tokens, int(room) if math.isfinite(room) else 1 << 30)
+
+    def decode_room(self, decodes: int, share: float, prefill_tokens: int = 0) -> int | None:
+        """Decode tokens more that a step with ``decodes`` and ``prefill_tokens`` may take and
+        stay within ``share`` of the target; None: no limit."""
+        fit = self.line()
+        if fit is None or not self.reachable:
+            return None
+        a, b_d, b_p = fit
+        left = share * self.config.target_s - a - b_d * decodes - b_p * prefill_tokens
+        if b_d <= 0:
+            return 1 << 30 if left > 0 else 0
+        return max(0, int(left / b_d))
 
     def max_running(self) -> int | None:
         """How many requests may run; None: no limit (not trusted yet, or out of reach)."""

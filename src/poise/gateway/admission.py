@@ -3,7 +3,8 @@
 A pool is saturated when the requests the gateway has let through to it reach its capacity:
 ``max_inflight_per_backend`` (times weight) for each eligible backend whose own report (waiting
 requests, KV usage) says it has room; one that never reported (no Prometheus metrics) is bounded
-by the in-flight limit alone. A stale report counts as its last word only while the backend's
+by the in-flight limit alone, and so is a poise replica, whose own admission judges its queue
+(by priority, and by whether it drains) better than its reported length can. A stale report counts as its last word only while the backend's
 health checks still pass (as recently as a report must be fresh): its metrics are what is slow
 (vLLM's ``/metrics`` under load, a gateway short of CPU), not the backend, so a stale report
 that said there was room does not shed a pool whose probes pass. Otherwise silence counts as
@@ -14,6 +15,11 @@ let through of a priority at least as good as its own (lower values are better, 
 flood of batch work that fills the pool's capacity therefore holds no interactive request at
 the gateway: the replicas schedule by priority and preempt the batch work for it, so the
 gateway lets it through, and holds back only more batch work.
+
+A poise replica that refused a request for load refuses that priority and worse for a moment
+(``Backend.note_shedding``); while every eligible backend does, such a request is refused
+here (429, ``Retry-After``) without being forwarded: a flood's refusals cost the replicas'
+cores nothing, and the cores stay with the work they admitted.
 
 Waiting requests are ordered by priority, then arrival (``PriorityLine``): when room appears,
 the best goes first; when the line is full, the lowest priority is shed with 429 and
@@ -62,7 +68,12 @@ class PoolGate:
                 stale = pool.older_than_a_report_may_be(load.at)
                 if stale and (b.passed_at is None or pool.older_than_a_report_may_be(b.passed_at)):
                     continue
-                if load.waiting >= s.max_backend_waiting or load.kv_usage >= s.max_kv_usage:
+                # A poise replica's admission judges its own queue and pool, by priority and
+                # by whether the queue drains: it refuses (at once) what it cannot take, and
+                # the gateway takes that as it comes. Its queue length, reported whatever the
+                # priorities in it, would hold an interactive request here behind a batch one.
+                full = load.waiting >= s.max_backend_waiting or load.kv_usage >= s.max_kv_usage
+                if full and b.kind != "poise":
                     continue
             total += s.max_inflight_per_backend * b.settings.weight
         return total
@@ -83,9 +94,22 @@ class PoolGate:
 
     async def enter(self, priority: int, deadline: float) -> None:
         """Return when the request may go to the pool (then ``leave`` once it is done)."""
+        eligible = self.pool.eligible()
+        now = self.clock()
+        if eligible and all(b.sheds(priority, now) for b in eligible):
+            # Each refused this priority for load a moment ago: say so here, at once, rather
+            # than forward a flood's requests only to carry their refusals back.
+            self.on_refusal(self.pool.model, "shedding")
+            raise APIError(
+                429,
+                f"every backend of model {self.pool.model!r} is refusing requests of priority "
+                f"{priority} or worse for load; try again shortly",
+                code="overloaded",
+                headers={"Retry-After": "1"},
+            )
         best_waiting = self.line.best_priority()
         ahead = best_waiting is not None and best_waiting <= priority
-        if (not ahead and not self.saturated_for(priority)) or not self.pool.eligible():
+        if (not ahead and not self.saturated_for(priority)) or not eligible:
             # With nothing eligible there is nothing to wait for: the forwarder will say why.
             self._let_through(priority)
             return

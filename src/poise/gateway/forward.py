@@ -32,7 +32,7 @@ import logging
 import math
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -65,6 +65,11 @@ RETRYABLE_STATUS = frozenset({429, 500, 502, 503, 504})
 # health checks take it out; they are not the error answers that draw attempts to it
 # (``Pool._rather``).
 NOT_SERVING_CODES = frozenset({"draining", "loading"})
+# A poise replica's refusals for load (a filling queue, a full one): the backend sheds that
+# request's priority and worse for now, and the gateway refuses them itself for SHED_HOLD_S
+# rather than forward a flood only to carry its refusals back (see ``admission.PoolGate``).
+SHEDDING_CODES = frozenset({"overloaded", "queue_full"})
+SHED_HOLD_S = 0.25
 FAILURE_STATUS = frozenset({500, 502, 503, 504})  # what counts against a backend's health
 
 
@@ -326,6 +331,9 @@ class Forwarder:
                     # A replica that says it is draining or still loading is not answering
                     # with errors: routing must not send it more to find out.
                     answered = error_code(data) not in NOT_SERVING_CODES
+                    if status == 429 and error_code(data) in SHEDDING_CODES:
+                        priority = _priority(sent_headers)
+                        backend.note_shedding(priority, self.clock(), SHED_HOLD_S)
                     if status in RETRYABLE_STATUS and call.idempotent:
                         verdict = "overloaded" if status == 429 else "error"
                         recovery = "move" if status == 429 else "retry"
@@ -411,6 +419,14 @@ def _give_up(journey: Attempt, retry_after: float | None = None) -> APIError:
         f"upstream failed after {len(journey.tried)} attempt(s): {why}",
         code="upstream_error",
     )
+
+
+def _priority(headers: Mapping[str, str]) -> int:
+    """The priority the request went to the backend with (the gateway always says it)."""
+    try:
+        return int(headers.get("x-priority", "0"))
+    except ValueError:
+        return 0
 
 
 def _never_sent(exc: BaseException) -> bool:

@@ -86,7 +86,8 @@ class GatewayMetrics:
         )
         self.shed = Counter(
             "poise_gateway_shed",
-            "Requests refused by the admission queue, by reason (shed, queue_full, deadline).",
+            "Requests refused by the admission queue, by reason (shed, queue_full, queue_ttl, "
+            "deadline, shedding: every backend refusing its priority for load a moment ago).",
             ["model", "reason"],
             registry=r,
         )

@@ -87,6 +87,25 @@ class Backend:
     # Its latest attempts, in a row, that it answered with an error status (a 5xx sent in
     # place of any output); any other verdict ends the run, and so does its ejection.
     error_answers: int = 0
+    # A poise replica that refused a request for load (its queue filling, or full) refuses
+    # that request's priority and worse for a moment: the gateway does not send it more of
+    # them until ``shed_until`` (see ``note_shedding``).
+    shed_from: int | None = None
+    shed_until: float = 0.0
+
+    def sheds(self, priority: int, now: float) -> bool:
+        """Whether it refused this priority (or a better one) for load a moment ago."""
+        return self.shed_from is not None and now < self.shed_until and priority >= self.shed_from
+
+    def note_shedding(self, priority: int, now: float, hold_s: float) -> None:
+        """It refused a request of ``priority`` for load: hold back that priority and worse
+        for ``hold_s``, long enough to spare it a flood's requests and short enough that its
+        state (it changes within a step or two) is asked again soon."""
+        if self.shed_from is None or now >= self.shed_until:
+            self.shed_from = priority
+        else:
+            self.shed_from = min(self.shed_from, priority)
+        self.shed_until = max(self.shed_until, now + hold_s)
 
     def cut_off(self) -> int:
         """Cut off the movable work in flight here; how much there was."""

@@ -266,7 +266,11 @@ class AdmissionController:
         if len(self._errors) < 8:
             return 0.0
         ordered = sorted(self._errors)
-        return max(0.0, ordered[int(self.config.error_quantile * (len(ordered) - 1))])
+        error = max(0.0, ordered[int(self.config.error_quantile * (len(ordered) - 1))])
+        # Never past the target itself: a request predicted to start at once is not refused
+        # for its wait, whatever a bad spell taught.
+        target = self.config.queue_target_s
+        return error if target is None else min(error, target)
 
     def left(self, key: str) -> None:
         """The request left the queue without starting (abort, timeout, error, shed)."""

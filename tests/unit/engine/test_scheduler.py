@@ -227,3 +227,112 @@ def test_a_time_budget_serves_decodes_first_then_prefill_and_caps_the_running_se
     assert {q.request_id: len(q.token_ids) for q in out.sequences}["new"] == s.kv.block_size
     s.time_budget = None  # no time budget: the caps alone, as before
     assert s.max_running == s.config.max_num_seqs
+
+
+def test_worse_priorities_sit_out_steps_past_their_share_and_lose_nothing():
+    """A step holds 10 tokens (decodes and prompt tokens cost one each) and the cap lets 4 run.
+    Four batch requests decode; an interactive one arrives. It starts although four run (the
+    cap counts only its priority and better) and its prompt is prefilled at once; batch work
+    fills what is left of half the step, oldest first, and the rest sits out with its blocks,
+    never preempted."""
+    s, _ = make_scheduler(max_num_batched_tokens=64)
+    s.time_budget = FixedStepBudget(tokens=10, cap=4)
+    batch = [add(s, f"b{i}", 4, max_tokens=40, priority=10) for i in range(4)]
+    batch_ids = {r.request_id for r in batch}
+    for _ in range(3):
+        run_step(s)
+    hi = add(s, "hi", 4, max_tokens=10, priority=0)
+    out = run_step(s)
+    chunks = {q.request_id: len(q.token_ids) for q in out.sequences}
+    assert chunks["hi"] == 4 and hi.status is RequestStatus.RUNNING
+    assert set(chunks) - {"hi"} == {"b0"}  # half the step is 5: the prompt's 4, one decode
+    out = run_step(s)  # hi decodes: four batch decodes fit beside it in half the step
+    assert {q.request_id for q in out.sequences} == {"hi", *batch_ids}
+    more = [add(s, f"hi{i}", 4, max_tokens=10, priority=0) for i in range(2)]
+    out = run_step(s)  # their prompts first (8 tokens and hi's decode): no room for batch
+    assert {q.request_id for q in out.sequences} == {"hi", "hi0", "hi1"}
+    out = run_step(s)  # three interactive decodes, two batch ones: the oldest
+    assert {q.request_id for q in out.sequences} == {"hi", "hi0", "hi1", "b0", "b1"}
+    assert all(r.status is RequestStatus.RUNNING for r in batch)  # paused, blocks kept
+    assert all(s.kv.num_held_blocks(r.request_id) > 0 for r in batch)
+    assert not out.preempted_request_ids
+    assert not any(r.num_preemptions for r in (*batch, hi, *more))
+
+
+def test_one_priority_alone_is_never_paused():
+    s, _ = make_scheduler(max_num_batched_tokens=64)
+    s.time_budget = FixedStepBudget(tokens=4, cap=8)
+    rs = [add(s, f"r{i}", 4, max_tokens=20) for i in range(8)]
+    for _ in range(12):
+        run_step(s)
+    out = run_step(s)
+    assert {q.request_id for q in out.sequences} == {r.request_id for r in rs}
+
+
+def test_the_victim_of_a_full_pool_is_the_request_that_wants_the_most():
+    """Same priority, 16 blocks of 4: a long request (12 + 40 tokens, 13 blocks at its end)
+    and three short ones (8 + 12, 5 blocks each) that arrived after it. When blocks run out,
+    the long one gives way; the short ones finish without a preemption."""
+    s, _ = make_scheduler(blocks=16, block_size=4)
+    long = add(s, "long", 12, max_tokens=40)
+    shorts = [add(s, f"s{i}", 8, max_tokens=12, first=100 * (i + 1)) for i in range(3)]
+    preempted: list[str] = []
+    for _ in range(20):
+        preempted += run_step(s).preempted_request_ids
+    assert preempted and set(preempted) == {"long"}
+    assert all(r.status.is_finished and r.num_preemptions == 0 for r in shorts)
+    assert long.num_preemptions >= 1
+
+
+def test_a_request_that_cannot_get_its_blocks_lets_smaller_ones_behind_it_start():
+    s, _ = make_scheduler(blocks=11, block_size=4)
+    add(s, "running", 12, max_tokens=30)  # 3 blocks, 8 more to come
+    for _ in range(17):
+        run_step(s)  # 28 tokens: 7 blocks held, 4 free
+    big = add(s, "big", 20, max_tokens=2, first=100)  # 6 blocks: only 4 are free
+    small = add(s, "small", 4, max_tokens=2, first=200)  # 1 block
+    run_step(s)
+    assert big.status is RequestStatus.WAITING
+    assert small.status is RequestStatus.RUNNING
+
+
+def test_a_better_priority_short_of_blocks_preempts_a_worse_one():
+    s, _ = make_scheduler(blocks=7, block_size=4)
+    lo = add(s, "lo", 8, max_tokens=20, priority=5)
+    for _ in range(9):
+        run_step(s)  # 16 tokens: 4 blocks held, 3 free
+    hi = add(s, "hi", 16, max_tokens=2, priority=0, first=100)  # needs 5 blocks
+    out = run_step(s)
+    assert out.preempted_request_ids == ["lo"] and lo.status is RequestStatus.PREEMPTED
+    assert hi.status is RequestStatus.RUNNING
+
+
+def test_the_kv_picture_counts_unfilled_slots_and_what_the_queue_needs():
+    s, _ = make_scheduler(blocks=16, block_size=4)
+    add(s, "a", 5, max_tokens=8)  # 2 blocks, 5 of 8 slots filled once prefilled
+    run_step(s)
+    add(s, "w", 9, max_tokens=2)
+    s.waiting[0].num_preemptions = 0
+    picture = s.kv_picture()
+    assert picture.allocated_slots == 8
+    assert picture.unused_slots == 8 - 5
+    assert picture.fragmentation == pytest.approx(3 / 8)
+    assert picture.waiting_blocks == 3 and picture.preempted_blocks == 0
+
+
+def test_batch_paused_for_a_waiting_prompt_does_not_cascade_into_preemptions():
+    """Batch work fills the cap; an interactive prompt arrives that takes the whole half step.
+    Every batch decode sits that step out: nothing runs but its chunk. That is a pause, not a
+    stall: no batch request is preempted for it, and the prompt starts at once."""
+    s, _ = make_scheduler(max_num_batched_tokens=64)
+    s.time_budget = FixedStepBudget(tokens=10, cap=4)
+    batch = [add(s, f"b{i}", 4, max_tokens=40, priority=10) for i in range(4)]
+    for _ in range(3):
+        run_step(s)
+    hi = add(s, "hi", 6, max_tokens=4, priority=0, first=500)
+    out = run_step(s)
+    assert [q.request_id for q in out.sequences] == ["hi"]
+    assert hi.status is RequestStatus.RUNNING and not out.preempted_request_ids
+    while not hi.is_finished:
+        assert not run_step(s).preempted_request_ids
+    assert all(r.status is RequestStatus.RUNNING and r.num_preemptions == 0 for r in batch)
