@@ -4,8 +4,9 @@ A pool is saturated when the requests the gateway has let through to it reach it
 ``max_inflight_per_backend`` (times weight) for each eligible backend whose own report (waiting
 requests, KV usage) says it has room; one that never reported (no Prometheus metrics) is bounded
 by the in-flight limit alone, and so is a poise replica, whose own admission judges its queue
-(by priority, and by whether it drains) better than its reported length can. A stale report counts as its last word only while the backend's
-health checks still pass (as recently as a report must be fresh): its metrics are what is slow
+(by priority, and by whether it drains) better than its reported length can. A stale report
+counts as its last word only while the backend's health checks still pass (as recently as a
+report must be fresh): its metrics are what is slow
 (vLLM's ``/metrics`` under load, a gateway short of CPU), not the backend, so a stale report
 that said there was room does not shed a pool whose probes pass. Otherwise silence counts as
 saturation: a hung process stops answering its probes and its reports in the same round.
