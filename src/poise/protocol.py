@@ -82,6 +82,10 @@ TOKEN_NOTE_PREFIX = b": poise-tokens "
 # client is already receiving, from its text (another engine's broken stream): a replica admits
 # it past its predicted-wait bounds, as it does a ``poise_resume``.
 CONTINUATION_HEADER = "x-poise-continuation"
+# On a poise replica's 429 for load: it refuses every request of this priority or worse for
+# now, whatever its size (absent: the request's own size or deadline decided). A gateway holds
+# such requests back for a moment rather than forward a flood only to carry its refusals back.
+SHEDDING_HEADER = "x-poise-shedding-priority"
 
 
 def token_note(token_ids: list[int], text_chars: int) -> bytes:

@@ -27,6 +27,13 @@ class LocalHarness:
     def signal_replica(self, index: int, sig: signal.Signals) -> None:
         os.kill(self._pid(index), sig)
 
+    @property
+    def replica_count(self) -> int:
+        return len(self.deployment.replica_urls)
+
+    def replica_state(self, index: int) -> dict[str, Any]:
+        return _state(self.deployment.replica_urls[index])
+
     def set_faults(self, index: int, **faults: Any) -> None:
         _faults(self.deployment.replica_urls[index], faults)
 
@@ -59,6 +66,13 @@ class RemoteHarness:
     def signal_replica(self, index: int, sig: signal.Signals) -> None:
         raise ChaosError("signals need a deployment poise chaos started itself")
 
+    @property
+    def replica_count(self) -> int:
+        return len(self.replica_urls)
+
+    def replica_state(self, index: int) -> dict[str, Any]:
+        return _state(self._url(index))
+
     def set_faults(self, index: int, **faults: Any) -> None:
         _faults(self._url(index), faults)
 
@@ -82,3 +96,12 @@ def _faults(url: str, faults: dict[str, Any] | None) -> None:
         r = httpx.post(url + "/admin/faults", json=faults, timeout=10)
     if r.status_code != 200:
         raise ChaosError(f"{url}/admin/faults answered {r.status_code} (is fault injection on?)")
+
+
+def _state(url: str) -> dict[str, Any]:
+    """A replica's ``/debug/state``."""
+    r = httpx.get(url + "/debug/state", timeout=10)
+    if r.status_code != 200:
+        raise ChaosError(f"{url}/debug/state answered {r.status_code}")
+    state: dict[str, Any] = r.json()
+    return state

@@ -9,6 +9,7 @@ the others act over HTTP (``/admin/faults``) and work against any poise replicas
 
 from __future__ import annotations
 
+import math
 import signal
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -24,6 +25,9 @@ class ChaosError(RuntimeError):
 class Harness(Protocol):
     """What a fault acts on."""
 
+    @property
+    def replica_count(self) -> int: ...
+    def replica_state(self, index: int) -> dict[str, Any]: ...
     def signal_replica(self, index: int, sig: signal.Signals) -> None: ...
     def set_faults(self, index: int, **faults: Any) -> None: ...
     def clear_faults(self, index: int) -> None: ...
@@ -132,6 +136,28 @@ def _clear(index: int) -> Action:
     return lambda h: h.clear_faults(index)
 
 
+# The KV pool a replica keeps while kv-exhaustion holds: this many times what its steady
+# traffic holds and will still grow into when the fault begins (the replica's own projection:
+# its pool less its headroom), and never less than a long request and a steady one need
+# together. Sized by what the replica holds, not in blocks, so that the fault means the same on
+# a slow CPU (whose steady requests last long and hold many blocks) and a fast GPU.
+KV_SHRINK_FACTOR = 2.0
+KV_SHRINK_FLOOR_BLOCKS = 48
+
+
+def _shrink_kv(h: Harness) -> None:
+    for i in range(h.replica_count):
+        kv = h.replica_state(i)["kv_cache"]
+        steady = kv["total_blocks"] - kv["headroom_blocks"]
+        limit = max(KV_SHRINK_FLOOR_BLOCKS, math.ceil(KV_SHRINK_FACTOR * steady))
+        h.set_faults(i, kv_limit_blocks=min(limit, kv["total_blocks"]))
+
+
+def _restore_kv(h: Harness) -> None:
+    for i in range(h.replica_count):
+        h.clear_faults(i)
+
+
 SCENARIOS: dict[str, Scenario] = {
     s.name: s
     for s in [
@@ -168,14 +194,12 @@ SCENARIOS: dict[str, Scenario] = {
         ),
         Scenario(
             "kv-exhaustion",
-            "long prompts and outputs on a small KV pool: preemption for the hold",
-            lambda h: None,
+            "each replica's KV pool shrinks to twice what its steady traffic holds and will "
+            "grow into, and long prompts and outputs arrive (25 blocks each) for the hold",
+            _shrink_kv,
+            _restore_kv,
             target=None,
             detect="none",
-            # 32 blocks of 16 tokens: a long request (25 blocks at its end) and a steady one (10)
-            # do not fit together. At half the steady rate, on a faster engine, the gateway's
-            # balancing kept them apart on most runs and nothing was preempted.
-            serve_flags=("--num-kv-blocks", "32"),
             extra=lambda plan: [
                 plan.during_fault(
                     "long",

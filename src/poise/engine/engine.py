@@ -265,6 +265,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         if self.faults is not None:
             self.faults.stall()
+            self.kv.limit = self.faults.kv_limit_blocks or None
         t0 = self.clock()
         out = self.scheduler.schedule()
         advanced: list[Request] = []
@@ -313,6 +314,7 @@ class LLMEngine:
                     r.priority,
                     r.num_prompt_tokens,
                     self.kv.num_held_blocks(r.request_id),
+                    r.runs_to_max_tokens,
                 )
                 for r in self.scheduler.running
                 if not r.is_probe

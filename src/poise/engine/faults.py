@@ -1,4 +1,5 @@
-"""Fault injection for tests and chaos runs: slow steps, failing steps, a stalled loop.
+"""Fault injection for tests and chaos runs: slow steps, failing steps, a stalled loop, a KV
+pool that shrinks.
 
 Off unless a front end turns it on (``poise serve --enable-fault-injection``). The engine asks
 the injector at two points of every step: ``stall`` before scheduling (the loop makes no
@@ -23,6 +24,7 @@ class FaultInjector:
     fail_steps: int = 0  # the next this many computing steps raise
     stall_until: float = 0.0  # monotonic time until which the loop does not step
     kill_loop: bool = False  # the step loop itself dies at its next turn
+    kv_limit_blocks: int = 0  # at most this many KV blocks held (0: the whole pool)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def configure(
@@ -31,8 +33,11 @@ class FaultInjector:
         fail_steps: int | None = None,
         stall_s: float | None = None,
         kill_loop: bool | None = None,
+        kv_limit_blocks: int | None = None,
     ) -> None:
         with self._lock:
+            if kv_limit_blocks is not None:
+                self.kv_limit_blocks = max(0, kv_limit_blocks)
             if kill_loop is not None:
                 self.kill_loop = kill_loop
             if step_delay_s is not None:
@@ -43,7 +48,9 @@ class FaultInjector:
                 self.stall_until = time.monotonic() + max(0.0, stall_s)
 
     def clear(self) -> None:
-        self.configure(step_delay_s=0.0, fail_steps=0, stall_s=0.0, kill_loop=False)
+        self.configure(
+            step_delay_s=0.0, fail_steps=0, stall_s=0.0, kill_loop=False, kv_limit_blocks=0
+        )
 
     def snapshot(self) -> dict[str, float | bool]:
         return {
@@ -51,6 +58,7 @@ class FaultInjector:
             "fail_steps": self.fail_steps,
             "stall_remaining_s": max(0.0, self.stall_until - time.monotonic()),
             "kill_loop": self.kill_loop,
+            "kv_limit_blocks": self.kv_limit_blocks,
         }
 
     def stall(self) -> None:

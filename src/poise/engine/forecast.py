@@ -48,11 +48,16 @@ class SlotForecast:
     # (steps until it ends, blocks it then gives back) per running request; by steps.
     kv_releases: tuple[tuple[int, int], ...] = ()
     typical_output: int | None = None  # tokens a request produces, as seen so far
+    typical_footprint: int = 0  # the median footprint of the running requests, in blocks
 
-    def wait_s(self, position: int, priority: int | None = None, blocks: int = 0) -> float:
+    def wait_s(
+        self, position: int, priority: int | None = None, blocks: int = 0, own: int = 0
+    ) -> float:
         """Seconds until the ``position``-th request in line (1 = next) of ``priority`` gets a
-        running slot, and the KV blocks of ``blocks`` (its own and those ahead of it) fit."""
-        return max(self._slot_wait_s(position, priority), self.kv_wait_s(blocks))
+        running slot, and the KV blocks of ``blocks`` (its own, ``own``, and those ahead of it)
+        fit, with what a request larger than the typical one leaves for the others."""
+        kv = self.kv_wait_s(blocks + room_left_for_others(own, self.typical_footprint))
+        return max(self._slot_wait_s(position, priority), kv)
 
     def _slot_wait_s(self, position: int, priority: int | None) -> float:
         free = self.free_slots + self.preemptible(priority)
@@ -74,6 +79,12 @@ class SlotForecast:
             return 0
         return len(self.running_priorities) - bisect.bisect_right(self.running_priorities, priority)
 
+    def fits_now(self, blocks: int) -> bool:
+        """Whether a request of ``blocks`` fits the headroom now, with what it must leave for
+        others (as the scheduler starts it)."""
+        own = blocks + room_left_for_others(blocks, self.typical_footprint)
+        return own <= self.kv_headroom_blocks
+
     def kv_wait_s(self, blocks: int) -> float:
         """Seconds until the pool has ``blocks`` of headroom, as running requests end."""
         room = self.kv_headroom_blocks
@@ -89,10 +100,24 @@ class SlotForecast:
         cycles = math.ceil((blocks - room) / turned)
         return (steps + cycles * max(1, self.cycle_steps)) * self.step_s
 
-    def footprint_blocks(self, prompt_tokens: int, max_tokens: int) -> int:
-        """Blocks a request of this prompt and ``max_tokens`` is projected to fill."""
-        output = max_tokens if self.typical_output is None else min(max_tokens, self.typical_output)
+    def footprint_blocks(self, prompt_tokens: int, max_tokens: int, exact: bool = False) -> int:
+        """Blocks a request of this prompt and ``max_tokens`` is projected to fill (``exact``:
+        it runs to ``max_tokens``, whatever the typical output)."""
+        output = max_tokens
+        if self.typical_output is not None and not exact:
+            output = min(max_tokens, self.typical_output)
         return -(-(prompt_tokens + max(1, output)) // self.block_size)
+
+
+# A request larger than the typical running one starts only where it leaves room for this
+# many typical ones beside it: under pressure on the pool, the requests that want the most
+# wait (and are refused, when they would wait too long) before the short ones do.
+ROOM_FOR_OTHERS = 2
+
+
+def room_left_for_others(own: int, typical: int) -> int:
+    """Blocks a request of ``own`` blocks must leave free for others when it starts."""
+    return ROOM_FOR_OTHERS * typical if typical and own > typical else 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +129,7 @@ class Running:
     priority: int = 0
     prompt_tokens: int = 0
     held_blocks: int = 0  # KV blocks its table holds now
+    exact: bool = False  # it runs to max_tokens: its length is known, not typical
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,16 +176,18 @@ class SlotForecaster:
         steps = []
         priorities = []
         releases = []
+        footprints = []
         owed = 0
         for r in running:
             left = r.max_tokens - r.produced
-            if typical is not None:
+            if typical is not None and not r.exact:
                 left = min(left, round(typical) - r.produced)
             left = max(1, left)
             steps.append(left)
             priorities.append(r.priority)
             if pool is not None:
                 footprint = -(-(r.prompt_tokens + r.produced + left) // pool.block_size)
+                footprints.append(footprint)
                 owed += max(0, footprint - r.held_blocks)
                 releases.append((left, max(footprint, r.held_blocks)))
         steps.sort()
@@ -180,4 +208,5 @@ class SlotForecaster:
             kv_headroom_blocks=1 << 30 if pool is None else pool.free_blocks - owed,
             kv_releases=tuple(sorted(releases)),
             typical_output=None if typical is None else round(typical),
+            typical_footprint=sorted(footprints)[len(footprints) // 2] if footprints else 0,
         )

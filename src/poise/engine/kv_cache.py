@@ -64,6 +64,9 @@ class KVCacheManager:
     block_size: int
     enable_prefix_caching: bool = True
     sliding_window: int | None = None  # every layer's window, when all have one
+    # At most this many blocks held at once (fault injection: a pool that shrinks under its
+    # load); None: the whole pool. Blocks held past it stay held; none is taken until under.
+    limit: int | None = None
     blocks: list[Block] = field(init=False)
     # Blocks nobody references, in eviction order (front goes first).
     _free: OrderedDict[int, None] = field(init=False)
@@ -83,7 +86,14 @@ class KVCacheManager:
     # ----- queries -----
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        """Blocks that may be taken: free ones, no more than ``limit`` leaves."""
+        return self._available(len(self._free))
+
+    def _available(self, free: int) -> int:
+        if self.limit is None:
+            return free
+        held = self.num_blocks - len(self._free)
+        return max(0, min(free, self.limit - held))
 
     @property
     def num_cached_blocks(self) -> int:
@@ -91,8 +101,10 @@ class KVCacheManager:
 
     @property
     def usage(self) -> float:
-        """Share of the pool referenced by live requests (free cached blocks count as free)."""
-        return 1.0 - len(self._free) / self.num_blocks
+        """Share of the pool referenced by live requests (free cached blocks count as free);
+        of the blocks ``limit`` leaves, while it is set."""
+        held = self.num_blocks - len(self._free)
+        return min(1.0, held / min(self.num_blocks, self.limit or self.num_blocks))
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -180,7 +192,7 @@ class KVCacheManager:
         num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
         need = self.blocks_needed(num_computed + num_new_tokens) - len(table) - len(computed_blocks)
         reclaimed = sum(1 for b in computed_blocks if self.blocks[b].ref_cnt == 0)
-        if need > len(self._free) - reclaimed:
+        if need + reclaimed > self._available(len(self._free)):
             return False
         for block_id in computed_blocks:
             block = self.blocks[block_id]

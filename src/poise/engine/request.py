@@ -190,6 +190,13 @@ class Request:
         return FINISH_REASONS.get(self.status)
 
     @property
+    def runs_to_max_tokens(self) -> bool:
+        """Nothing but its length ends it (``ignore_eos``, no stop string or token, no
+        grammar): it will produce exactly ``max_tokens``, however short others' answers are."""
+        sp = self.sampling
+        return sp.ignore_eos and not sp.stop and not sp.stop_token_ids and sp.guided is None
+
+    @property
     def sort_key(self) -> tuple[int, float]:
         """Who goes first: lower priority value, then earlier arrival."""
         return (self.priority, self.arrival_time)

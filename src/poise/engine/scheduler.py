@@ -26,9 +26,15 @@ usually survive in the prefix cache). It chooses its victims by priority, then b
   priority (the request itself included) is the one that wants the most: the largest projected
   footprint (prompt and output, in blocks), so that long requests give way to short ones
   rather than the other way round.
-- When the first waiting request cannot get its blocks and nothing may be preempted for it,
-  smaller requests behind it that fit start meanwhile (a bounded look past it): a request that
-  wants most of the pool waits for room, not everyone behind it.
+- A waiting request starts only where its projected footprint fits the pool's headroom (the
+  free blocks less what the running requests will still grow into), unless nothing runs: a
+  request that would have to be preempted to finish does not start, and what it would have
+  computed is not thrown away. One larger than the typical running request must also leave
+  room for two typical ones beside it (``forecast.room_left_for_others``), so that the long
+  requests, not the short ones, wait when the pool is short. When the first waiting request
+  does not fit and nothing may be preempted for it, smaller requests behind it that fit start
+  meanwhile (a bounded look past it): a request that wants most of the pool waits for room,
+  not everyone behind it.
 
 A request preempted ``max_preemptions`` times is no longer chosen as a victim, so no request can
 be starved by repeated preemption; only when nothing at all could run is the cap set aside, since
@@ -48,6 +54,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from poise.engine.errors import InvalidRequestError
+from poise.engine.forecast import room_left_for_others
 from poise.engine.intake import check_fits
 from poise.engine.kv_cache import KVCacheManager
 from poise.engine.outputs import KVPicture
@@ -349,7 +356,7 @@ class Scheduler:
         """Blocks the request is projected to fill: its prompt and the output it will likely
         produce (max_tokens, or the typical output when that is less and it is not past it)."""
         output = request.max_tokens
-        if self.typical_output is not None:
+        if self.typical_output is not None and not request.runs_to_max_tokens:
             output = min(output, max(self.typical_output, len(request.output_token_ids) + 1))
         return self.kv.blocks_needed(request.num_prompt_tokens + output)
 
@@ -402,6 +409,8 @@ class Scheduler:
         bs = self.kv.block_size
         max_running = self.max_running
         i = looked_past = 0
+        headroom: int | None = None  # blocks free once the running have grown: while any run
+        typical = 0  # the median running footprint
         while i < len(self.waiting):
             request = self.waiting[i]
             if not request.is_probe:
@@ -419,11 +428,20 @@ class Scheduler:
             left = request.num_tokens - n_cached
             # A health probe must not queue behind user work: it passes the caps.
             n = left if request.is_probe else min(left, budget, room if room is not None else left)
-            if not self.kv.allocate_slots(request, n, hits):
+            need = self.footprint_blocks(request) - len(hits)
+            if not request.is_probe and self.running and headroom is None:
+                headroom, typical = self._headroom()
+            fits = (
+                request.is_probe
+                or headroom is None
+                or need + room_left_for_others(need, typical) <= headroom
+            )
+            if not fits or not self.kv.allocate_slots(request, n, hits):
                 victim = self._priority_victim(request)
                 if victim is not None:
                     self._preempt(victim, preempted)
                     budget += self._unschedule(scheduled, victim.request_id)
+                    headroom = None
                     continue
                 looked_past += 1
                 if request.is_probe or looked_past > MAX_LOOK_PAST:
@@ -440,6 +458,8 @@ class Scheduler:
             self.running.append(request)
             scheduled.append(self._scheduled(request, n))
             budget = max(0, budget - n)
+            if headroom is not None:
+                headroom -= max(0, need)
             if room is not None:
                 room -= n
         return budget
@@ -450,6 +470,14 @@ class Scheduler:
         full = len(self.running) >= self.config.max_num_seqs
         ahead = sum(1 for r in self.running if r.priority <= request.priority)
         return self._priority_victim(request) if full and ahead < max_running else None
+
+    def _headroom(self) -> tuple[int, int]:
+        """Free blocks less those the running requests are projected to grow into, and the
+        median running footprint."""
+        footprints = [(self.footprint_blocks(r), r) for r in self.running if not r.is_probe]
+        owed = sum(max(0, f - self.kv.num_held_blocks(r.request_id)) for f, r in footprints)
+        typical = sorted(f for f, _ in footprints)[len(footprints) // 2] if footprints else 0
+        return self.kv.num_free_blocks - owed, typical
 
     def _has_slot(self, request: Request, max_running: int) -> bool:
         """A slot under the cap, counting only running requests of a priority at least as good

@@ -32,7 +32,7 @@ import logging
 import math
 import random
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -50,7 +50,7 @@ from poise.gateway.upstream import (
     retry_after_s,
 )
 from poise.observability.tracing import Tracing
-from poise.protocol import DEADLINE_HEADER, APIError
+from poise.protocol import DEADLINE_HEADER, SHEDDING_HEADER, APIError
 from poise.resilience.breaker import Permit
 from poise.resilience.retry import RetryBudget, RetryPolicy
 
@@ -65,10 +65,9 @@ RETRYABLE_STATUS = frozenset({429, 500, 502, 503, 504})
 # health checks take it out; they are not the error answers that draw attempts to it
 # (``Pool._rather``).
 NOT_SERVING_CODES = frozenset({"draining", "loading"})
-# A poise replica's refusals for load (a filling queue, a full one): the backend sheds that
-# request's priority and worse for now, and the gateway refuses them itself for SHED_HOLD_S
-# rather than forward a flood only to carry its refusals back (see ``admission.PoolGate``).
-SHEDDING_CODES = frozenset({"overloaded", "queue_full"})
+# A poise replica that says it sheds a priority (``SHEDDING_HEADER`` on its 429) refuses it and
+# worse for now: the gateway refuses them itself for SHED_HOLD_S rather than forward a flood
+# only to carry its refusals back (see ``admission.PoolGate``).
 SHED_HOLD_S = 0.25
 FAILURE_STATUS = frozenset({500, 502, 503, 504})  # what counts against a backend's health
 
@@ -331,9 +330,9 @@ class Forwarder:
                     # A replica that says it is draining or still loading is not answering
                     # with errors: routing must not send it more to find out.
                     answered = error_code(data) not in NOT_SERVING_CODES
-                    if status == 429 and error_code(data) in SHEDDING_CODES:
-                        priority = _priority(sent_headers)
-                        backend.note_shedding(priority, self.clock(), SHED_HOLD_S)
+                    shedding = response.headers.get(SHEDDING_HEADER) if status == 429 else None
+                    if shedding is not None:
+                        backend.note_shedding(_priority(shedding), self.clock(), SHED_HOLD_S)
                     if status in RETRYABLE_STATUS and call.idempotent:
                         verdict = "overloaded" if status == 429 else "error"
                         recovery = "move" if status == 429 else "retry"
@@ -421,12 +420,12 @@ def _give_up(journey: Attempt, retry_after: float | None = None) -> APIError:
     )
 
 
-def _priority(headers: Mapping[str, str]) -> int:
-    """The priority the request went to the backend with (the gateway always says it)."""
+def _priority(value: str) -> int:
+    """A priority a backend named; one it garbled sheds nothing (the worst there is)."""
     try:
-        return int(headers.get("x-priority", "0"))
+        return int(value)
     except ValueError:
-        return 0
+        return 2**31
 
 
 def _never_sent(exc: BaseException) -> bool:

@@ -32,8 +32,8 @@ exponential one with the same responsiveness. A newcomer's wait is at least how 
 has gone without a start, so a stalled engine stops admitting instead of trusting an old, fast
 rate. Predictions err, mostly short (a request's own prefill is in its wait to the first token,
 and chunked prompts share steps), so the error measured on the last requests predicted near
-the target (its 90th percentile) is added to a newcomer's prediction before it is held against
-the target: the target holds on whatever host this runs.
+the target (its 90th percentile, at most half the target) is added to a newcomer's prediction
+before it is held against the target: the target holds on whatever host this runs.
 
 Priorities follow vLLM: lower values run first. A request is only queued behind those with a
 value at most its own, and the slot forecast counts the running requests of a lower priority as
@@ -60,13 +60,24 @@ from poise.resilience.queue_trend import QueueTrend, TrendConfig
 class Forecast(Protocol):
     """The server's forecast of its running slots and KV pool (``poise.engine.forecast``)."""
 
-    def wait_s(self, position: int, priority: int | None = None, blocks: int = 0) -> float:
+    def wait_s(
+        self, position: int, priority: int | None = None, blocks: int = 0, own: int = 0
+    ) -> float:
         """Seconds until the ``position``-th in line of ``priority`` has a slot and the KV
-        blocks of ``blocks`` (its own and those ahead of it)."""
+        blocks of ``blocks`` (its own, ``own`` each, and those ahead of it)."""
         ...
 
     def preemptible(self, priority: int | None) -> int:
         """Running requests that one of ``priority`` may take the place of."""
+        ...
+
+    @property
+    def typical_footprint(self) -> int:
+        """The running requests' median KV footprint, in blocks (0: not known)."""
+        ...
+
+    def fits_now(self, blocks: int) -> bool:
+        """Whether a request of ``blocks`` would start now as far as the KV pool goes."""
         ...
 
 
@@ -120,6 +131,9 @@ class Decision:
     predicted_wait_s: float
     retry_after_s: float  # whole seconds, at least 1, when refused; 0 when admitted
     shed: tuple[str, ...] = ()  # keys of waiting requests dropped to make room
+    # Refused for load whatever its size: any request of this priority or worse would be now
+    # (a gateway may hold such requests back for a moment); False when its own size decided.
+    sheds_priority: bool = False
 
 
 class AdmissionController:
@@ -164,8 +178,12 @@ class AdmissionController:
         paced = len(ahead)
         if self.forecast is not None:
             forecast = self.forecast()
+            # The engine starts smaller requests past one that does not fit the pool: those
+            # ahead that are larger than this group's own and do not fit now are no wait.
+            own = -(-group_blocks // max(1, group_size))
+            ahead = [t for t in ahead if t.blocks <= own or forecast.fits_now(t.blocks)]
             blocks = group_blocks + sum(t.blocks for t in ahead)
-            by_slots = forecast.wait_s(len(ahead) + group_size, priority, blocks)
+            by_slots = forecast.wait_s(len(ahead) + group_size, priority, blocks, own)
             # Those ahead that will take a lower priority's slot do not wait for the pace of
             # starts (which the lower priority's long outputs set).
             paced = min(
@@ -197,8 +215,14 @@ class AdmissionController:
         blocks = blocks or [0] * len(keys)
         wait = self.predicted_wait(priority, len(keys), sum(blocks))
         target = self.config.queue_target_s
-        # A burst's members, and waits far from the target, say nothing of the error there.
-        teaches = not continuation and (target is None or wait <= 2 * target)
+        # A burst's members, waits far from the target, and requests larger than the typical
+        # one (which wait for room in the pool by design) say nothing of the error there.
+        typical = self.forecast().typical_footprint if self.forecast is not None else 0
+        teaches = (
+            not continuation
+            and (target is None or wait <= 2 * target)
+            and (not typical or max(blocks) <= typical)
+        )
         tickets = [
             Ticket(k, n, priority, now, b, wait, teaches)
             for k, n, b in zip(keys, prompt_tokens, blocks, strict=True)
@@ -207,7 +231,7 @@ class AdmissionController:
             self._enqueue(tickets)
             return Decision(True, None, wait, 0.0)
         if not continuation:
-            refusal = self._judge_wait(wait, len(keys), deadline, now)
+            refusal = self._judge_wait(wait, len(keys), deadline, priority)
             if refusal is not None:
                 return refusal
             if self.trend.in_burst:
@@ -220,25 +244,29 @@ class AdmissionController:
                 else "queue_tokens_full"
             )
             excess = len(self.waiting) + len(tickets) - self.config.max_waiting_requests
-            return self._refuse(reason, wait, max(1, excess) * self._interval_estimate())
+            refusal = self._refuse(reason, wait, max(1, excess) * self._interval_estimate())
+            # A full line refuses any newcomer of this priority or worse.
+            return replace(refusal, sheds_priority=reason == "queue_full")
         for ticket in shed:
             self._remove(ticket.key)
         self._enqueue(tickets)
         return Decision(True, None, wait, 0.0, tuple(t.key for t in shed))
 
     def _judge_wait(
-        self, wait: float, count: int, deadline: float | None, now: float
+        self, wait: float, count: int, deadline: float | None, priority: int
     ) -> Decision | None:
         """The refusal a newcomer's predicted wait earns, if any (see the module's rules)."""
         target = self.config.queue_target_s
         long = target is not None and wait + self.wait_error_s > target
         interval = self.mean_start_interval_s
         self.trend.arrival(count, long, 1.0 / interval if interval else None)
-        if deadline is not None and wait >= deadline - now:
+        if deadline is not None and wait >= deadline - self.clock():
             return self._refuse("deadline", wait, wait)
         if long and not self.trend.in_burst and self.trend.filling:
             assert target is not None
-            return self._refuse("overloaded", wait, wait - target)
+            smallest = self.predicted_wait(priority)  # one request, of no blocks
+            whole = smallest + self.wait_error_s > target
+            return replace(self._refuse("overloaded", wait, wait - target), sheds_priority=whole)
         return None
 
     # ----- what the server reports -----
@@ -267,10 +295,11 @@ class AdmissionController:
             return 0.0
         ordered = sorted(self._errors)
         error = max(0.0, ordered[int(self.config.error_quantile * (len(ordered) - 1))])
-        # Never past the target itself: a request predicted to start at once is not refused
-        # for its wait, whatever a bad spell taught.
+        # Never past half the target: a request predicted to start within the other half is
+        # not refused for its wait, whatever a bad spell taught (the queue is then short, and
+        # what made waits run long is elsewhere: a pool short of blocks, a slow step).
         target = self.config.queue_target_s
-        return error if target is None else min(error, target)
+        return error if target is None else min(error, target / 2)
 
     def left(self, key: str) -> None:
         """The request left the queue without starting (abort, timeout, error, shed)."""

@@ -116,6 +116,8 @@ class FaultSettings(BaseModel):
     fail_steps: int | None = Field(default=None, ge=0, le=1_000_000)
     stall_s: float | None = Field(default=None, ge=0, le=3600)
     kill_loop: bool | None = None
+    # Hold at most this many KV blocks at once (a pool that shrinks under load); 0: the pool.
+    kv_limit_blocks: int | None = Field(default=None, ge=0)
     # Answer every API request with this status (a replica that errors); 0 turns it off.
     error_status: int | None = Field(default=None, ge=0, le=599)
 
@@ -429,7 +431,7 @@ def create_app(
             replica = state.require()
             replica.injected_error_status = 0
             engine = await replica.engine.configure_faults(
-                step_delay_s=0.0, fail_steps=0, stall_s=0.0, kill_loop=False
+                step_delay_s=0.0, fail_steps=0, stall_s=0.0, kill_loop=False, kv_limit_blocks=0
             )
             return {**engine, "error_status": 0}
 

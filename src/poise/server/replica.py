@@ -23,7 +23,7 @@ from poise.engine.errors import EngineDeadError, InvalidRequestError
 from poise.engine.intake import RequestOptions, Resume
 from poise.engine.outputs import RequestOutput
 from poise.engine.request import Request, SamplingParams
-from poise.protocol import APIError, deadline_budget_s
+from poise.protocol import SHEDDING_HEADER, APIError, deadline_budget_s
 from poise.resilience.admission import AdmissionConfig, AdmissionController
 from poise.resilience.queue_trend import TrendConfig
 from poise.server.access import RequestReport
@@ -302,18 +302,25 @@ class Replica:
             deadline,
             continuation,
             [
-                forecast.footprint_blocks(p.request.num_prompt_tokens, p.request.max_tokens)
+                forecast.footprint_blocks(
+                    p.request.num_prompt_tokens,
+                    p.request.max_tokens,
+                    p.request.runs_to_max_tokens,
+                )
                 for p in group
             ],
         )
         if not decision.admitted:
             reason = decision.reason or "overloaded"
             self.metrics.reject(reason)
+            headers = {"Retry-After": str(int(decision.retry_after_s))}
+            if decision.sheds_priority:
+                headers[SHEDDING_HEADER] = str(priority)
             raise APIError(
                 429,
                 self._refusal_message(reason, decision.predicted_wait_s),
                 code=reason,
-                headers={"Retry-After": str(int(decision.retry_after_s))},
+                headers=headers,
             )
         for key in decision.shed:
             self.metrics.reject("shed")

@@ -124,3 +124,17 @@ def test_the_typical_output_tempers_a_footprint() -> None:
     fc = f.forecast([], pool=PoolView(free_blocks=100, block_size=16))
     assert fc.footprint_blocks(prompt_tokens=34, max_tokens=4000) == 4  # 34 + 30 tokens
     assert fc.footprint_blocks(prompt_tokens=34, max_tokens=10) == 3
+
+
+def test_a_request_that_runs_to_max_tokens_is_projected_whole():
+    """ignore_eos and nothing else to stop it: its length is known, whatever others produce."""
+    f = SlotForecaster(max_num_seqs=4)
+    f.observe_step(0.01)
+    for _ in range(50):
+        f.observe_finished(30)
+    pool = PoolView(free_blocks=100, block_size=16)
+    fc = f.forecast([Running(10, 200, prompt_tokens=200, held_blocks=14, exact=True)], pool=pool)
+    assert fc.release_steps == (190,)  # not the typical 30 - 10
+    assert fc.kv_headroom_blocks == 100 - (25 - 14)
+    assert fc.footprint_blocks(200, 200, exact=True) == 25
+    assert fc.footprint_blocks(200, 200) == 15  # 200 + a typical 30

@@ -27,12 +27,20 @@ class FakeForecast:
         self.running = running or []
         self.asked: list[tuple[int, int | None, int]] = []
 
-    def wait_s(self, position: int, priority: int | None = None, blocks: int = 0) -> float:
+    def wait_s(
+        self, position: int, priority: int | None = None, blocks: int = 0, own: int = 0
+    ) -> float:
         self.asked.append((position, priority, blocks))
         return self.wait
 
     def preemptible(self, priority: int | None) -> int:
         return 0 if priority is None else sum(1 for p in self.running if p > priority)
+
+    typical_footprint = 0
+    kv_headroom_blocks = 1 << 30
+
+    def fits_now(self, blocks: int) -> bool:
+        return blocks <= self.kv_headroom_blocks
 
 
 def make(**config) -> tuple[AdmissionController, Clock]:
@@ -180,13 +188,22 @@ def test_the_servers_slot_forecast_overrides_an_optimistic_start_rate():
     ac.started("a")
     clock.now += 0.1
     ac.started("b")
-    ac.admit(["c"], [1], blocks=[5])
+    ac.admit(["c"], [1], blocks=[3])
     assert ac.predicted_wait(0) == pytest.approx(0.1)
     forecast.wait = 3.0
     assert ac.predicted_wait(0) == pytest.approx(3.0)
     # It is asked about the place in line, the priority and the blocks of all up to it.
     assert ac.predicted_wait(2, group_size=2, group_blocks=6) == pytest.approx(3.0)
-    assert forecast.asked[-1] == (3, 2, 11)
+    assert forecast.asked[-1] == (3, 2, 9)
+    # One larger than its own that does not fit the pool now is no wait: the engine starts
+    # smaller requests past it. One that fits is.
+    forecast.kv_headroom_blocks = 10
+    ac.admit(["huge"], [1], blocks=[40])
+    ac.predicted_wait(2, group_size=2, group_blocks=6)
+    assert forecast.asked[-1] == (3, 2, 9)
+    forecast.kv_headroom_blocks = 50
+    ac.predicted_wait(2, group_size=2, group_blocks=6)
+    assert forecast.asked[-1] == (4, 2, 49)
     refused = ac.admit(["e"], [1], deadline=clock.now + 2.0)
     assert not refused.admitted and refused.reason == "deadline"
     assert refused.predicted_wait_s == pytest.approx(3.0)
