@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import signal
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -137,20 +138,31 @@ def _clear(index: int) -> Action:
 
 
 # The KV pool a replica keeps while kv-exhaustion holds: this many times what its steady
-# traffic holds and will still grow into when the fault begins (the replica's own projection:
-# its pool less its headroom), and never less than a long request and a steady one need
-# together. Sized by what the replica holds, not in blocks, so that the fault means the same on
-# a slow CPU (whose steady requests last long and hold many blocks) and a fast GPU.
+# traffic holds and will still grow into as the fault begins (the replica's own projection: its
+# pool less its headroom, the most of five readings over a second), and never less than a long
+# request and a steady one need together. Sized by what the replica holds, not in blocks, so
+# that the fault means the same on a slow CPU (whose steady requests last long and hold many
+# blocks) and on a fast GPU.
 KV_SHRINK_FACTOR = 2.0
 KV_SHRINK_FLOOR_BLOCKS = 48
+KV_READINGS = 5
+KV_READING_GAP_S = 0.25
 
 
 def _shrink_kv(h: Harness) -> None:
+    # The steady traffic's need, at its most over a second: one reading may fall in a lull.
+    need = [0] * h.replica_count
+    total = [0] * h.replica_count
+    for reading in range(KV_READINGS):
+        if reading:
+            time.sleep(KV_READING_GAP_S)
+        for i in range(h.replica_count):
+            kv = h.replica_state(i)["kv_cache"]
+            total[i] = kv["total_blocks"]
+            need[i] = max(need[i], kv["total_blocks"] - kv["headroom_blocks"])
     for i in range(h.replica_count):
-        kv = h.replica_state(i)["kv_cache"]
-        steady = kv["total_blocks"] - kv["headroom_blocks"]
-        limit = max(KV_SHRINK_FLOOR_BLOCKS, math.ceil(KV_SHRINK_FACTOR * steady))
-        h.set_faults(i, kv_limit_blocks=min(limit, kv["total_blocks"]))
+        limit = max(KV_SHRINK_FLOOR_BLOCKS, math.ceil(KV_SHRINK_FACTOR * need[i]))
+        h.set_faults(i, kv_limit_blocks=min(limit, total[i]))
 
 
 def _restore_kv(h: Harness) -> None:

@@ -112,7 +112,7 @@ class SlotForecast:
 # A request larger than the typical running one starts only where it leaves room for this
 # many typical ones beside it: under pressure on the pool, the requests that want the most
 # wait (and are refused, when they would wait too long) before the short ones do.
-ROOM_FOR_OTHERS = 2
+ROOM_FOR_OTHERS = 4
 
 
 def room_left_for_others(own: int, typical: int) -> int:

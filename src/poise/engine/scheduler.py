@@ -30,11 +30,13 @@ usually survive in the prefix cache). It chooses its victims by priority, then b
   free blocks less what the running requests will still grow into), unless nothing runs: a
   request that would have to be preempted to finish does not start, and what it would have
   computed is not thrown away. One larger than the typical running request must also leave
-  room for two typical ones beside it (``forecast.room_left_for_others``), so that the long
+  room for four typical ones beside it (``forecast.room_left_for_others``), so that the long
   requests, not the short ones, wait when the pool is short. When the first waiting request
   does not fit and nothing may be preempted for it, smaller requests behind it that fit start
   meanwhile (a bounded look past it): a request that wants most of the pool waits for room,
-  not everyone behind it.
+  not everyone behind it. And a short request that finds the pool full takes the place of a
+  running one of no better priority that wants more than twice its blocks (and more than the
+  typical request): the long one waits, not the short one.
 
 A request preempted ``max_preemptions`` times is no longer chosen as a victim, so no request can
 be starved by repeated preemption; only when nothing at all could run is the cap set aside, since
@@ -437,7 +439,7 @@ class Scheduler:
                 or need + room_left_for_others(need, typical) <= headroom
             )
             if not fits or not self.kv.allocate_slots(request, n, hits):
-                victim = self._priority_victim(request)
+                victim = self._priority_victim(request) or self._size_victim(request, typical)
                 if victim is not None:
                     self._preempt(victim, preempted)
                     budget += self._unschedule(scheduled, victim.request_id)
@@ -470,6 +472,22 @@ class Scheduler:
         full = len(self.running) >= self.config.max_num_seqs
         ahead = sum(1 for r in self.running if r.priority <= request.priority)
         return self._priority_victim(request) if full and ahead < max_running else None
+
+    def _size_victim(self, request: Request, typical: int) -> Request | None:
+        """A running request of no better priority that wants far more of the pool than
+        ``request`` (twice its footprint, and more than the typical one), if the preemption cap
+        leaves one: the largest. It waits, and the short request that finds the pool full
+        starts, as a short interactive one should."""
+        own = self.footprint_blocks(request)
+        cap = self.config.max_preemptions
+        candidates = [
+            (f, r)
+            for r in self.running
+            if r.priority >= request.priority and r.num_preemptions < cap and not r.is_probe
+            for f in (self.footprint_blocks(r),)
+            if f > 2 * own and f > typical
+        ]
+        return max(candidates, key=lambda c: (c[0], c[1].arrival_time))[1] if candidates else None
 
     def _headroom(self) -> tuple[int, int]:
         """Free blocks less those the running requests are projected to grow into, and the

@@ -12,7 +12,10 @@ seconds. So a long wait alone refuses nothing here. A newcomer is refused at onc
   predicted to wait longer than ``queue_target_s``. Under a flood this keeps the queue about
   the target deep, so the requests admitted keep their time to first token; a burst that drains,
   or a closed loop of clients that each send again when answered, is served however long the
-  queue it makes;
+  queue it makes. While the queue fills, a request that would fill more than ``BIG_FACTOR``
+  times the KV blocks of the typical running one is refused whatever its wait: under a flood
+  the requests that want the most are shed first (the engine, for its part, makes them wait
+  for room in the pool before the short ones);
 - the queue's hard bounds (requests, prompt tokens) are reached and nothing of a lower priority
   waits that could be shed for it.
 
@@ -55,6 +58,11 @@ from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from poise.resilience.queue_trend import QueueTrend, TrendConfig
+
+# Under a flood, a request that would fill more than this many times the KV blocks of the
+# typical running request is refused whatever its wait: the requests that want the most are
+# shed before the short ones.
+BIG_FACTOR = 2.0
 
 
 class Forecast(Protocol):
@@ -231,7 +239,9 @@ class AdmissionController:
             self._enqueue(tickets)
             return Decision(True, None, wait, 0.0)
         if not continuation:
-            refusal = self._judge_wait(wait, len(keys), deadline, priority)
+            typical = self.forecast().typical_footprint if self.forecast is not None else 0
+            big = bool(typical) and max(blocks) > BIG_FACTOR * typical
+            refusal = self._judge_wait(wait, len(keys), deadline, priority, big)
             if refusal is not None:
                 return refusal
             if self.trend.in_burst:
@@ -253,20 +263,21 @@ class AdmissionController:
         return Decision(True, None, wait, 0.0, tuple(t.key for t in shed))
 
     def _judge_wait(
-        self, wait: float, count: int, deadline: float | None, priority: int
+        self, wait: float, count: int, deadline: float | None, priority: int, big: bool
     ) -> Decision | None:
-        """The refusal a newcomer's predicted wait earns, if any (see the module's rules)."""
+        """The refusal a newcomer's predicted wait (and, under a flood, its size: ``big``)
+        earns, if any (see the module's rules)."""
         target = self.config.queue_target_s
         long = target is not None and wait + self.wait_error_s > target
         interval = self.mean_start_interval_s
         self.trend.arrival(count, long, 1.0 / interval if interval else None)
         if deadline is not None and wait >= deadline - self.clock():
             return self._refuse("deadline", wait, wait)
-        if long and not self.trend.in_burst and self.trend.filling:
-            assert target is not None
+        if (long or big) and not self.trend.in_burst and self.trend.filling:
             smallest = self.predicted_wait(priority)  # one request, of no blocks
-            whole = smallest + self.wait_error_s > target
-            return replace(self._refuse("overloaded", wait, wait - target), sheds_priority=whole)
+            whole = target is not None and smallest + self.wait_error_s > target
+            retry = wait - target if target is not None and long else 1.0
+            return replace(self._refuse("overloaded", wait, retry), sheds_priority=whole)
         return None
 
     # ----- what the server reports -----

@@ -369,3 +369,25 @@ def test_batch_paused_for_a_waiting_prompt_does_not_cascade_into_preemptions():
     while not hi.is_finished:
         assert not run_step(s).preempted_request_ids
     assert all(r.status is RequestStatus.RUNNING and r.num_preemptions == 0 for r in batch)
+
+
+def test_a_short_request_that_finds_the_pool_full_takes_the_place_of_a_long_one():
+    """22 blocks of 4. A long request (8 + 60 tokens: 17 blocks) runs, then two short ones
+    (4 + 4: 2 blocks each) beside it: the pool is spoken for. Another short one arrives. The
+    long one, of no better priority and more than twice as large as it and as the typical
+    running request, gives way: the short one runs; the long one waits and finishes after."""
+    s, _ = make_scheduler(blocks=22, block_size=4)
+    long = add(s, "long", 8, max_tokens=60)
+    run_step(s)
+    shorts = [add(s, f"s{i}", 4, max_tokens=4, first=100 * (i + 1)) for i in range(2)]
+    run_step(s)
+    assert all(r.status is RequestStatus.RUNNING for r in (*shorts, long))
+    short = add(s, "short", 4, max_tokens=4, first=500)
+    out = run_step(s)
+    assert out.preempted_request_ids == ["long"]
+    assert short.status is RequestStatus.RUNNING and long.status is RequestStatus.PREEMPTED
+    for _ in range(200):
+        if not s.has_unfinished:
+            break
+        run_step(s)
+    assert short.finish_reason == long.finish_reason == "length"
