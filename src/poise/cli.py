@@ -164,8 +164,8 @@ def _add_serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--burst-gap-s",
         type=float,
-        help="requests arriving this close together into a calm queue are a burst, served "
-        "however long it makes the queue (default 0.02)",
+        help="requests arriving this close together, far faster than the server starts them, "
+        "into a calm queue are a burst, served however long it makes the queue (default 0.1)",
     )
     p.add_argument(
         "--default-timeout-s",

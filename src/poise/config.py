@@ -79,10 +79,10 @@ class ServerSettings(BaseModel):
     # waiting in line. A queue that drains is served however long (each request's deadline
     # still holds). 0: never refuse for the wait alone.
     queue_target_s: float = Field(default=0.5, ge=0)
-    # A long queue that begins while arrivals are calm begins as a burst: requests that
-    # arrive this close to each other are its members and are not refused for their wait (a
-    # batch job's requests sent at once reach the server a millisecond or two apart).
-    burst_gap_s: float = Field(default=0.02, ge=0)
+    # A run of requests each this close to the one before, far faster than the server starts
+    # them, into a calm queue is a burst: none is refused for its wait (a batch job's requests
+    # sent at once reach a replica a millisecond apart, through a busy gateway at most ~80 ms).
+    burst_gap_s: float = Field(default=0.1, ge=0)
     # The deadline of a request that brings none (the gateway's total timeout; 0: none).
     default_timeout_s: float = Field(default=600.0, ge=0)
 

@@ -137,14 +137,14 @@ def _clear(index: int) -> Action:
     return lambda h: h.clear_faults(index)
 
 
-# The KV pool a replica keeps while kv-exhaustion holds: this many times what its steady
-# traffic holds and will still grow into as the fault begins (the replica's own projection: its
-# pool less its headroom, the most of five readings over a second), and never less than a long
-# request and a steady one need together. Sized by what the replica holds, not in blocks, so
-# that the fault means the same on a slow CPU (whose steady requests last long and hold many
-# blocks) and on a fast GPU.
-KV_SHRINK_FACTOR = 2.0
-KV_SHRINK_FLOOR_BLOCKS = 48
+# The KV pool a replica keeps while kv-exhaustion holds: what its steady traffic holds and will
+# still grow into as the fault begins (the replica's own projection: its pool less its
+# headroom, the most of five readings over a second), a quarter more for its ups and downs, and
+# room for one long request (25 blocks of 16 tokens) beside it. Sized by what the replica holds,
+# not in blocks, so that the fault means the same on a slow CPU (whose requests last long and
+# hold many blocks) and on a fast GPU: the steady traffic fits, a second long request does not.
+KV_STEADY_MARGIN = 1.25
+KV_LONG_BLOCKS = 28
 KV_READINGS = 5
 KV_READING_GAP_S = 0.25
 
@@ -161,7 +161,7 @@ def _shrink_kv(h: Harness) -> None:
             total[i] = kv["total_blocks"]
             need[i] = max(need[i], kv["total_blocks"] - kv["headroom_blocks"])
     for i in range(h.replica_count):
-        limit = max(KV_SHRINK_FLOOR_BLOCKS, math.ceil(KV_SHRINK_FACTOR * need[i]))
+        limit = math.ceil(KV_STEADY_MARGIN * need[i]) + KV_LONG_BLOCKS
         h.set_faults(i, kv_limit_blocks=min(limit, total[i]))
 
 
@@ -206,8 +206,8 @@ SCENARIOS: dict[str, Scenario] = {
         ),
         Scenario(
             "kv-exhaustion",
-            "each replica's KV pool shrinks to twice what its steady traffic holds and will "
-            "grow into, and long prompts and outputs arrive (25 blocks each) for the hold",
+            "each replica's KV pool shrinks to what its steady traffic needs and one long "
+            "request more, and long prompts and outputs (25 blocks each) arrive for the hold",
             _shrink_kv,
             _restore_kv,
             target=None,

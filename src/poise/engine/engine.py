@@ -250,7 +250,7 @@ class LLMEngine:
             num_waiting=self.scheduler.num_waiting,
             kv_usage=self.kv.usage,
             num_free_blocks=self.kv.num_free_blocks,
-            num_blocks=self.kv.num_blocks,
+            num_blocks=self.kv.capacity,
             num_preemptions=self.scheduler.num_preemptions_total,
             prefix_queried_tokens=self.kv.stats.queried_tokens,
             prefix_hit_tokens=self.kv.stats.hit_tokens,

@@ -85,6 +85,11 @@ class KVCacheManager:
 
     # ----- queries -----
     @property
+    def capacity(self) -> int:
+        """Blocks that may be held at once: the pool, or ``limit`` while it is set."""
+        return self.num_blocks if self.limit is None else min(self.num_blocks, self.limit)
+
+    @property
     def num_free_blocks(self) -> int:
         """Blocks that may be taken: free ones, no more than ``limit`` leaves."""
         return self._available(len(self._free))
@@ -104,7 +109,7 @@ class KVCacheManager:
         """Share of the pool referenced by live requests (free cached blocks count as free);
         of the blocks ``limit`` leaves, while it is set."""
         held = self.num_blocks - len(self._free)
-        return min(1.0, held / min(self.num_blocks, self.limit or self.num_blocks))
+        return min(1.0, held / max(1, self.capacity))
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)

@@ -61,7 +61,7 @@ class EngineStats:
     num_waiting: int = 0
     kv_usage: float = 0.0  # share of the pool held by live requests
     num_free_blocks: int = 0
-    num_blocks: int = 0
+    num_blocks: int = 0  # the pool's blocks (fewer while a fault limits it)
     num_preemptions: int = 0
     prefix_queried_tokens: int = 0
     prefix_hit_tokens: int = 0

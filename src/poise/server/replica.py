@@ -179,7 +179,7 @@ class Replica:
             "kv_cache": {
                 "usage": stats.kv_usage,
                 "free_blocks": stats.num_free_blocks,
-                "total_blocks": stats.num_blocks,
+                "total_blocks": stats.num_blocks,  # the pool, or what a fault limits it to
                 "headroom_blocks": min(stats.forecast.kv_headroom_blocks, stats.num_free_blocks),
                 "allocated_slots": stats.kv.allocated_slots,
                 "unused_slots": stats.kv.unused_slots,

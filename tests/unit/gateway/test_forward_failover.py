@@ -472,3 +472,49 @@ async def test_each_attempt_says_whether_it_was_first_and_what_recovers_its_fail
     with pytest.raises(APIError):
         await send(pool, fwd)
     assert sent[-1] == ("m", False)
+
+
+async def shed_priority_5(request: web.Request) -> web.Response:
+    """A poise replica under a flood: it refuses priority 5 and worse, whatever the size."""
+    return web.json_response(
+        {"error": {"message": "overloaded", "code": "overloaded"}},
+        status=429,
+        headers={"Retry-After": "1", "x-poise-shedding-priority": "5"},
+    )
+
+
+async def test_backends_that_shed_a_priority_have_its_requests_refused_at_the_gateway(backends):
+    """Once every backend said it sheds priority 5 and worse, the gateway refuses such requests
+    itself (nothing forwarded) for a moment; a better priority still goes through; a refusal
+    that names no priority (the request's own size or deadline decided) is not remembered."""
+    from poise.gateway.admission import PoolGate
+
+    calls = {"n": 0}
+
+    async def counting(request: web.Request) -> web.Response:
+        calls["n"] += 1
+        return await shed_priority_5(request)
+
+    pool, fwd = await backends(counting, counting)
+    gate = PoolGate(pool, GatewaySettings.model_validate({"models": {"m": {"backends": [
+        {"url": b.url} for b in pool.backends]}}}).admission, time.monotonic)  # fmt: skip
+    body = b'{"model": "m", "prompt": "x"}'
+    with pytest.raises(APIError):
+        await fwd.send(pool, "/v1/completions", body, {"x-priority": "7"},
+                       time.monotonic() + 30, False, None, Attempt())  # fmt: skip
+    assert calls["n"] == 2 and all(b.sheds(7, time.monotonic()) for b in pool.backends)
+    with pytest.raises(APIError) as held:
+        await gate.enter(9, time.monotonic() + 30)
+    assert held.value.status == 429 and held.value.headers["Retry-After"] == "1"
+    await asyncio.wait_for(gate.enter(0, time.monotonic() + 30), 1)  # a better priority passes
+    gate.leave(0)
+    await asyncio.sleep(0.3)  # the memory is short: the backends are asked again
+    await asyncio.wait_for(gate.enter(9, time.monotonic() + 30), 1)
+    gate.leave(9)
+
+
+async def test_a_refusal_that_names_no_priority_is_not_remembered(backends):
+    pool, fwd = await backends(refuse, refuse)
+    with pytest.raises(APIError):
+        await send(pool, fwd)
+    assert not any(b.sheds(0, time.monotonic()) for b in pool.backends)
