@@ -106,7 +106,17 @@ class ServerSettings(BaseModel):
         return self.served_model_name or Path(self.model).name
 
 
+# Settings that were renamed because their meaning changed: named, never silently ignored.
+RENAMED = {
+    "max_queue_wait_s": "queue_target_s (it now bounds the wait only while more requests "
+    "arrive than start; a burst that drains is served)",
+}
+
+
 def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
+    for old, new in RENAMED.items():
+        if ENV_PREFIX + old.upper() in env:
+            raise ConfigError(f"{ENV_PREFIX}{old.upper()} was renamed: use {new}")
     out: dict[str, Any] = {}
     for name, field in ServerSettings.model_fields.items():
         raw = env.get(ENV_PREFIX + name.upper())
@@ -144,6 +154,9 @@ def load_settings(
         merged.update(read_config_file(config_file))
     merged.update(_from_env(os.environ if env is None else env))
     merged.update({k: v for k, v in flags.items() if v is not None})
+    for old, new in RENAMED.items():
+        if old in merged:
+            raise ConfigError(f"the setting {old} was renamed: use {new}")
     return validate_settings(ServerSettings, merged, "settings")
 
 

@@ -173,7 +173,9 @@ def test_retry_budget_caps_retries_while_one_replica_fails(gateway, pair):
 
 def test_flood_sheds_low_priority_while_high_priority_keeps_its_latency(gateway, pair):
     """(e) Several times capacity of low-priority work: high-priority requests go first and
-    keep their latency; low-priority ones are shed with 429 and Retry-After, none vanish."""
+    keep their latency (the gateway's capacity counts, for them, only their own priority, so
+    they pass the queue the low-priority work fills); low-priority ones are refused with 429
+    or 503 and Retry-After, none vanish."""
     for p in pair:
         p.faults(step_delay_s=0.02)
     g = gateway(
@@ -206,10 +208,13 @@ def test_flood_sheds_low_priority_while_high_priority_keeps_its_latency(gateway,
     assert high_p50 < 2.5 * baseline + 0.1, (high_p50, baseline)
     statuses = [s for s, _, _ in low_results]
     assert set(statuses) <= {200, 429, 503}, set(statuses)
-    shed = [h for s, _, h in low_results if s == 429]
+    shed = [h for s, _, h in low_results if s in (429, 503)]
     assert shed and all(int(h["retry-after"]) >= 1 for h in shed)
     assert statuses.count(200) > 0  # shed, not starved outright
-    assert metric(g, "poise_gateway_shed_total", reason="shed") > 0
+    refused = sum(
+        metric(g, "poise_gateway_shed_total", reason=r) for r in ("shed", "queue_full", "shedding")
+    )
+    assert refused > 0
 
 
 def test_redis_limits_hold_across_two_gateways(gateway, tmp_path):

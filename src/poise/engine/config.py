@@ -17,6 +17,11 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_preemptions: int = 3
+    # headroom: a request starts only where its projected KV footprint fits beside what the
+    # running ones will still grow into (a long one leaving room for short ones), so nothing
+    # starts that must be preempted to finish; optimistic: it starts once its next chunk has
+    # blocks, and preemption sorts out the pool (more running at once, work recomputed).
+    kv_admission: Literal["headroom", "optimistic"] = "headroom"
     # Keep each step within this many seconds (a time-per-output-token budget): the running
     # set and the prefill chunks grow only as far as the measured step time allows. None: off
     # (offline batch work wants throughput); poise serve sets it by default.
@@ -38,3 +43,9 @@ class EngineConfig:
     # them unset (as vLLM's --generation-config auto); none: they are not. Its eos ids stop
     # generation either way.
     generation_config: Literal["auto", "none"] = "auto"
+
+    def __post_init__(self) -> None:
+        if self.kv_admission not in ("headroom", "optimistic"):
+            raise ValueError(
+                f"kv_admission must be 'headroom' or 'optimistic', got {self.kv_admission!r}"
+            )

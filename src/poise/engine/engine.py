@@ -132,6 +132,7 @@ class LLMEngine:
                 self.config.max_num_seqs,
                 self.config.max_num_batched_tokens,
                 self.config.max_preemptions,
+                kv_headroom=self.config.kv_admission == "headroom",
             ),
             self.kv,
             clock,

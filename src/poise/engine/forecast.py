@@ -14,9 +14,9 @@ smaller of the two, and at least one step.
 
 Two more things decide when a newcomer starts:
 
-- **Priority.** The scheduler preempts a running request of a lower priority (a higher value)
-  for a waiting one of a higher, so for a request of priority p the slots held by running
-  requests with a value above p are as good as free.
+- **Priority.** The scheduler's cap counts, for a waiting request of priority p, only running
+  requests of priority p or better (lower values), and those of a worse priority sit out steps
+  for it: the slots they hold are as good as free.
 - **KV blocks.** A slot is no use without the blocks the request will fill. Its *footprint* is
   the blocks its prompt and projected output take; the pool's *headroom* is its free blocks
   less what the running requests will still grow into, and each running request gives its

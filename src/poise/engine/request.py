@@ -168,6 +168,8 @@ class Request:
     first_scheduled_time: float | None = None
     is_probe: bool = False  # a health check's one-token request: skips the running cap
     resume_text_chars: int = 0  # resumed: characters of the first outputs' text already sent
+    # When the scheduler first let others start past it for lack of KV room (None: not now).
+    passed_over_since: float | None = None
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

@@ -64,6 +64,9 @@ from poise.engine.request import Request, RequestStatus, SamplingParams
 
 # Waiting requests that may start past one that cannot get its blocks, per step.
 MAX_LOOK_PAST = 8
+# A request passed over this long for lack of room is passed over no more: nobody starts past
+# it, and it no longer leaves room for others, until it starts (no request starves for room).
+MAX_PASSED_OVER_S = 30.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,10 +79,16 @@ class SchedulerConfig:
     # a batch flood neither slows interactive requests' tokens nor, through that, makes more of
     # them run at once until they fill the running set.
     lower_priority_share: float = 0.5
+    # A request starts only where its projected footprint fits the pool's headroom, smaller
+    # ones past a larger one that does not (off: in strict order, once its next chunk has
+    # blocks; preemption sorts out the rest).
+    kv_headroom: bool = True
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be at least 1")
+        if not 0 < self.lower_priority_share <= 1:
+            raise ValueError("lower_priority_share must be in (0, 1]")
 
 
 class StepTimeBudget(Protocol):
@@ -253,7 +262,7 @@ class Scheduler:
         prefill_room = self._prefill_room(decodes)
         if prefill_room is not None:
             prefill_room = max(prefill_room, self.kv.block_size)
-        best = self.running[0].priority if self.running else 0
+        best = self._best_priority() or 0
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
@@ -305,14 +314,9 @@ class Scheduler:
         budget, share = self.time_budget, self.config.lower_priority_share
         if budget is None or not self.running:
             return set(), None
-        # The best priority among those running and those about to start (the head of the
-        # line, as far as the cap has slots for it).
-        head = next((r for r in self.waiting if not r.is_probe), None)
-        best = (
-            self.running[0].priority
-            if head is None
-            else min(head.priority, self.running[0].priority)
-        )
+        best = self._best_priority()
+        if best is None:
+            return set(), None
         slots = self.max_running - sum(1 for r in self.running if r.priority <= best)
         starting = [r for r in self.waiting if r.priority == best and not r.is_probe][
             : max(0, slots)
@@ -335,6 +339,14 @@ class Scheduler:
         lower_room = budget.prefill_room(ahead + min(room, len(lower)), share)
         lower_room = None if lower_room is None else max(0, lower_room - prompts)
         return {r.request_id for r in lower[room:]}, lower_room
+
+    def _best_priority(self) -> int | None:
+        """The best priority among the user requests running and the head of the line (health
+        probes aside: they run past every cap and rank above everyone)."""
+        running = next((r for r in self.running if not r.is_probe), None)
+        head = next((r for r in self.waiting if not r.is_probe), None)
+        ranks = [r.priority for r in (running, head) if r is not None]
+        return min(ranks) if ranks else None
 
     def _pick_victim(self, current: Request) -> Request | None:
         """Who gives its blocks back when ``current`` has none: of the worst priority among
@@ -413,8 +425,12 @@ class Scheduler:
         i = looked_past = 0
         headroom: int | None = None  # blocks free once the running have grown: while any run
         typical = 0  # the median running footprint
+        now = self.clock()
         while i < len(self.waiting):
             request = self.waiting[i]
+            if request.request_id in preempted:
+                i += 1  # it gave its place up in this step: not back in the same one
+                continue
             if not request.is_probe:
                 if budget <= 0 or (room is not None and room <= 0):
                     break
@@ -430,26 +446,44 @@ class Scheduler:
             left = request.num_tokens - n_cached
             # A health probe must not queue behind user work: it passes the caps.
             n = left if request.is_probe else min(left, budget, room if room is not None else left)
-            need = self.footprint_blocks(request) - len(hits)
-            if not request.is_probe and self.running and headroom is None:
+            footprint = self.footprint_blocks(request)
+            # Cached blocks others hold cost nothing; free cached ones come out of the pool.
+            need = footprint - sum(1 for b in hits if self.kv.blocks[b].ref_cnt > 0)
+            if (
+                self.config.kv_headroom
+                and not request.is_probe
+                and self.running
+                and headroom is None
+            ):
                 headroom, typical = self._headroom()
-            fits = (
-                request.is_probe
-                or headroom is None
-                or need + room_left_for_others(need, typical) <= headroom
-            )
+            overdue = self._passed_over_too_long(request, now)
+            reserve = 0 if overdue else room_left_for_others(footprint, typical)
+            reserve = min(reserve, max(0, self.kv.capacity - footprint))
+            fits = request.is_probe or headroom is None or need + reserve <= headroom
             if not fits or not self.kv.allocate_slots(request, n, hits):
-                victim = self._priority_victim(request) or self._size_victim(request, typical)
-                if victim is not None:
-                    self._preempt(victim, preempted)
-                    budget += self._unschedule(scheduled, victim.request_id)
+                if request.is_probe:
+                    break  # a probe waits for blocks; it takes nobody's
+                short = need + reserve - headroom if headroom is not None and not fits else 1
+                victims = self._victims_for(request, short, typical)
+                if not self.config.kv_headroom:
+                    # Optimistic: strict order, and only a worse priority gives way.
+                    victims = [v for v in victims if v.priority > request.priority][:1]
+                    if not victims:
+                        break
+                if victims:
+                    for victim in victims:
+                        self._preempt(victim, preempted)
+                        budget += self._unschedule(scheduled, victim.request_id)
                     headroom = None
                     continue
+                if request.passed_over_since is None:
+                    request.passed_over_since = now
                 looked_past += 1
-                if request.is_probe or looked_past > MAX_LOOK_PAST:
-                    break
+                if overdue or looked_past > MAX_LOOK_PAST:
+                    break  # nobody overtakes one passed over for too long: room comes to it
                 i += 1  # it waits for room; a smaller one behind it may fit
                 continue
+            request.passed_over_since = None
             self.kv.record_lookup(request.num_tokens, n_cached)
             request.num_computed_tokens = n_cached
             request.num_cached_prompt_tokens = n_cached
@@ -466,28 +500,51 @@ class Scheduler:
                 room -= n
         return budget
 
+    @staticmethod
+    def _passed_over_too_long(request: Request, now: float) -> bool:
+        since = request.passed_over_since
+        return since is not None and now - since > MAX_PASSED_OVER_S
+
+    def _victims_for(self, request: Request, short: int, typical: int) -> list[Request]:
+        """The running requests to preempt so that ``request`` fits (``short`` blocks of
+        headroom missing): worse priorities first, newest first, then requests of its priority
+        that want more than twice its blocks and more than the typical request, largest first;
+        none when all of them together would not make the room (nothing is thrown away for
+        nothing)."""
+        cap = self.config.max_preemptions
+        own = self.footprint_blocks(request)
+        worse = sorted(
+            (r for r in self.running if r.priority > request.priority),
+            key=lambda r: r.sort_key,
+            reverse=True,
+        )
+        larger = sorted(
+            (
+                r
+                for r in self.running
+                if r.priority == request.priority
+                and self.footprint_blocks(r) > max(2 * own, typical)
+            ),
+            key=lambda r: (self.footprint_blocks(r), r.arrival_time),
+            reverse=True,
+        )
+        chosen: list[Request] = []
+        freed = 0
+        for r in (*worse, *larger):
+            if r.num_preemptions >= cap or r.is_probe:
+                continue
+            chosen.append(r)
+            freed += max(self.footprint_blocks(r), self.kv.num_held_blocks(r.request_id))
+            if freed >= short:
+                return chosen
+        return []
+
     def _seat_of(self, request: Request, max_running: int) -> Request | None:
         """Whom ``request`` may take the seat of when the running set is full in all
         (``max_num_seqs``) though not for its priority: a worse-priority request, preempted."""
         full = len(self.running) >= self.config.max_num_seqs
         ahead = sum(1 for r in self.running if r.priority <= request.priority)
         return self._priority_victim(request) if full and ahead < max_running else None
-
-    def _size_victim(self, request: Request, typical: int) -> Request | None:
-        """A running request of no better priority that wants far more of the pool than
-        ``request`` (twice its footprint, and more than the typical one), if the preemption cap
-        leaves one: the largest. It waits, and the short request that finds the pool full
-        starts, as a short interactive one should."""
-        own = self.footprint_blocks(request)
-        cap = self.config.max_preemptions
-        candidates = [
-            (f, r)
-            for r in self.running
-            if r.priority >= request.priority and r.num_preemptions < cap and not r.is_probe
-            for f in (self.footprint_blocks(r),)
-            if f > 2 * own and f > typical
-        ]
-        return max(candidates, key=lambda c: (c[0], c[1].arrival_time))[1] if candidates else None
 
     def _headroom(self) -> tuple[int, int]:
         """Free blocks less those the running requests are projected to grow into, and the

@@ -177,24 +177,27 @@ class StepBudget:
         return self._reachable
 
     def prefill_room(self, decodes: int, share: float = 1.0) -> int | None:
-        """Prompt tokens a step with ``decodes`` decode tokens may add within ``share`` of the
-        target (and what earlier steps banked); None: no limit."""
+        """Prompt tokens a step with ``decodes`` decode tokens may add within ``share`` of what
+        the target leaves past a step's fixed cost (and what earlier steps banked); None: no
+        limit."""
         fit = self.line()
         if fit is None or not self.reachable:
             return None
         a, b_d, b_p = fit
-        left = share * self.config.target_s + max(0.0, self.bank_s) - a - b_d * decodes
+        # A share of what the target leaves past the fixed cost (which any step pays).
+        left = share * (self.config.target_s - a) + max(0.0, self.bank_s) - b_d * decodes
         room = left / b_p if b_p > 0 else (math.inf if left > 0 else 0.0)
         return max(self.config.min_tokens, int(room) if math.isfinite(room) else 1 << 30)
 
     def decode_room(self, decodes: int, share: float, prefill_tokens: int = 0) -> int | None:
         """Decode tokens more that a step with ``decodes`` and ``prefill_tokens`` may take and
-        stay within ``share`` of the target; None: no limit."""
+        stay within ``share`` of what the target leaves past a step's fixed cost; None: no
+        limit."""
         fit = self.line()
         if fit is None or not self.reachable:
             return None
         a, b_d, b_p = fit
-        left = share * self.config.target_s - a - b_d * decodes - b_p * prefill_tokens
+        left = share * (self.config.target_s - a) - b_d * decodes - b_p * prefill_tokens
         if b_d <= 0:
             return 1 << 30 if left > 0 else 0
         return max(0, int(left / b_d))

@@ -49,7 +49,11 @@ class PoolGate:
         settings: AdmissionSettings,
         clock: Callable[[], float],
         on_refusal: Callable[[str, str], None] = lambda model, reason: None,
+        hold_shedding: bool = True,
     ) -> None:
+        """``hold_shedding``: refuse at once what every backend sheds (else let it through,
+        for a fallback model or a stored answer to serve)."""
+        self.hold_shedding = hold_shedding
         self.pool = pool
         self.settings = settings
         self.clock = clock
@@ -97,7 +101,7 @@ class PoolGate:
         """Return when the request may go to the pool (then ``leave`` once it is done)."""
         eligible = self.pool.eligible()
         now = self.clock()
-        if eligible and all(b.sheds(priority, now) for b in eligible):
+        if self.hold_shedding and eligible and all(b.sheds(priority, now) for b in eligible):
             # Each refused this priority for load a moment ago: say so here, at once, rather
             # than forward a flood's requests only to carry their refusals back.
             self.on_refusal(self.pool.model, "shedding")

@@ -77,8 +77,16 @@ class Gateway:
             for name in settings.models
         }
         self.gates = {
-            name: PoolGate(pool, settings.admission, self.clock, self.metrics.admission_refused)
-            for name, pool in self.pools.items()
+            name: PoolGate(
+                pool,
+                settings.admission,
+                self.clock,
+                self.metrics.admission_refused,
+                # A request the pool would refuse may still have a fallback model or a stored
+                # answer: it goes on to the forwarder, which knows them, not refused at the gate.
+                hold_shedding=not (m.fallback or m.cache_fallback),
+            )
+            for (name, pool), m in zip(self.pools.items(), settings.models.values(), strict=True)
         }
         self.caches = {
             name: ResponseCache(m.cache_fallback.max_entries, m.cache_fallback.ttl_s, self.clock)

@@ -181,8 +181,10 @@ class AdmissionSettings(_Strict):
     max_backend_waiting: float = Field(default=64, ge=0)  # a backend reporting more is full
     max_kv_usage: float = Field(default=0.98, gt=0, le=1)
     max_queue: int = Field(default=512, ge=0)
-    # The queueing share of a chat user's 1 s time-to-first-token, as a replica's own
-    # max_queue_wait_s: what cannot get through sooner is refused (429) while it can go elsewhere.
+    # How long a request may wait here for room in a saturated pool (a share of a chat user's
+    # 1 s time to first token); what cannot get through sooner is refused (429) while it can go
+    # elsewhere. Poise replicas judge their own queues (bursts served, floods shed), so their
+    # pools are bounded here by max_inflight_per_backend alone.
     queue_ttl_s: float = Field(default=0.3, gt=0)
 
 

@@ -40,7 +40,8 @@ before it is held against the target: the target holds on whatever host this run
 
 Priorities follow vLLM: lower values run first. A request is only queued behind those with a
 value at most its own, and the slot forecast counts the running requests of a lower priority as
-slots it can take (the engine preempts them for it), so a high-priority request may be admitted
+slots it can take (the engine's cap counts only its priority and better, and the lower ones sit
+out steps for it), so a high-priority request may be admitted
 when a low-priority one would be refused; and when a bound is hit, waiting requests of strictly
 lower priority are shed (worst first, newest first) to make room, and their owners are told with
 the same 429.
@@ -126,6 +127,7 @@ class Ticket:
     blocks: int = 0  # the KV blocks it is projected to fill (0: not told)
     predicted: float = 0.0  # its wait as predicted at admission
     teaches: bool = False  # its actual wait is a sample of the predictions' error
+    counted: bool = True  # an arrival the queue's trend counted (a continuation is not)
 
     @property
     def shed_order(self) -> tuple[int, float]:
@@ -142,6 +144,7 @@ class Decision:
     # Refused for load whatever its size: any request of this priority or worse would be now
     # (a gateway may hold such requests back for a moment); False when its own size decided.
     sheds_priority: bool = False
+    large: bool = False  # refused under a flood for its KV footprint, not its wait
 
 
 class AdmissionController:
@@ -162,7 +165,7 @@ class AdmissionController:
         self._intervals: deque[tuple[float, float]] = deque(maxlen=config.rate_window)  # (at, s)
         self._last_start: float | None = None
         self._queue_busy_since_last_start = False
-        self._errors: deque[float] = deque(maxlen=config.error_window)
+        self._errors: dict[int, deque[float]] = {}  # by priority
 
     # ----- what the server asks -----
     @property
@@ -232,17 +235,19 @@ class AdmissionController:
             and (not typical or max(blocks) <= typical)
         )
         tickets = [
-            Ticket(k, n, priority, now, b, wait, teaches)
+            Ticket(k, n, priority, now, b, wait, teaches, counted=not continuation)
             for k, n, b in zip(keys, prompt_tokens, blocks, strict=True)
         ]
         if not self.config.enabled:
             self._enqueue(tickets)
             return Decision(True, None, wait, 0.0)
         if not continuation:
-            typical = self.forecast().typical_footprint if self.forecast is not None else 0
-            big = bool(typical) and max(blocks) > BIG_FACTOR * typical
-            refusal = self._judge_wait(wait, len(keys), deadline, priority, big)
+            refusal = self._judge_wait(
+                wait, len(keys), deadline, priority, self._big(blocks, priority)
+            )
             if refusal is not None:
+                if refusal.sheds_priority:
+                    self.trend.shed()
                 return refusal
             if self.trend.in_burst:
                 tickets = [replace(t, teaches=False) for t in tickets]
@@ -255,8 +260,10 @@ class AdmissionController:
             )
             excess = len(self.waiting) + len(tickets) - self.config.max_waiting_requests
             refusal = self._refuse(reason, wait, max(1, excess) * self._interval_estimate())
-            # A full line refuses any newcomer of this priority or worse.
-            return replace(refusal, sheds_priority=reason == "queue_full")
+            if reason == "queue_full":  # it refuses any newcomer of this priority or worse
+                self.trend.shed()
+                refusal = replace(refusal, sheds_priority=True)
+            return refusal
         for ticket in shed:
             self._remove(ticket.key)
         self._enqueue(tickets)
@@ -268,17 +275,34 @@ class AdmissionController:
         """The refusal a newcomer's predicted wait (and, under a flood, its size: ``big``)
         earns, if any (see the module's rules)."""
         target = self.config.queue_target_s
-        long = target is not None and wait + self.wait_error_s > target
+        margin = self.wait_error(priority)
+        long = target is not None and wait + margin > target
         interval = self.mean_start_interval_s
         self.trend.arrival(count, long, 1.0 / interval if interval else None)
         if deadline is not None and wait >= deadline - self.clock():
             return self._refuse("deadline", wait, wait)
         if (long or big) and not self.trend.in_burst and self.trend.filling:
+            assert target is not None
+            if not long:  # its size alone: the flood's largest go first
+                return replace(self._refuse("overloaded", wait, 1.0), large=True)
             smallest = self.predicted_wait(priority)  # one request, of no blocks
-            whole = target is not None and smallest + self.wait_error_s > target
-            retry = wait - target if target is not None and long else 1.0
-            return replace(self._refuse("overloaded", wait, retry), sheds_priority=whole)
+            whole = smallest + margin > target
+            return replace(self._refuse("overloaded", wait, wait - target), sheds_priority=whole)
         return None
+
+    def _big(self, blocks: Sequence[int], priority: int) -> bool:
+        """Under a flood, to be refused for its size: more than ``BIG_FACTOR`` times the typical
+        running request's blocks, with no worse priority running whose place it could take
+        (an interactive request is not shed for a batch flood), and a target set."""
+        if self.forecast is None or self.config.queue_target_s is None:
+            return False
+        forecast = self.forecast()
+        typical = forecast.typical_footprint
+        return (
+            bool(typical)
+            and max(blocks) > BIG_FACTOR * typical
+            and forecast.preemptible(priority) == 0
+        )
 
     # ----- what the server reports -----
     def started(self, key: str) -> float | None:
@@ -287,24 +311,28 @@ class AdmissionController:
         ticket = self._remove(key)
         if ticket is None:
             return None
-        self.trend.start()
+        if ticket.counted:
+            self.trend.start()
         now = self.clock()
         error = now - ticket.arrival - ticket.predicted
         if ticket.teaches:
-            self._errors.append(error)
+            self._errors.setdefault(ticket.priority, deque(maxlen=self.config.error_window))
+            self._errors[ticket.priority].append(error)
         if self._last_start is not None and self._queue_busy_since_last_start:
             self._intervals.append((now, max(0.0, now - self._last_start)))
         self._last_start = now
         self._queue_busy_since_last_start = bool(self.waiting)
         return error
 
-    @property
-    def wait_error_s(self) -> float:
-        """How far waits ran past their predictions lately, at ``error_quantile`` (at least 0;
-        0 until there are a few samples)."""
-        if len(self._errors) < 8:
+    def wait_error(self, priority: int) -> float:
+        """How far waits of this priority ran past their predictions lately, at
+        ``error_quantile`` (at least 0; 0 until there are a few samples). Per priority: batch
+        work that sits out steps for interactive work is late by design, and says nothing of
+        the interactive predictions."""
+        errors = self._errors.get(priority, ())
+        if len(errors) < 8:
             return 0.0
-        ordered = sorted(self._errors)
+        ordered = sorted(errors)
         error = max(0.0, ordered[int(self.config.error_quantile * (len(ordered) - 1))])
         # Never past half the target: a request predicted to start within the other half is
         # not refused for its wait, whatever a bad spell taught (the queue is then short, and

@@ -29,6 +29,9 @@ The rules, for a queue whose newcomers are predicted to wait past the target (a 
   and starts are both counted from its end, and what follows it is judged on its own.
 - A run that begins while the queue is filling is no burst: under a flood the queue hovers
   around its target, and an allowance at each crossing would let the flood in by turns.
+- Once a whole priority has been refused for load, a gateway in front holds such requests back
+  for a moment (they never arrive): the queue then counts as filling for an interval whatever
+  the counts say (``shed``).
 
 No library counts this: rate limiters bound arrivals alone, and CoDel implementations act on
 packets' sojourn times. Pure, with the clock injected.
@@ -74,6 +77,7 @@ class QueueTrend:
         self._run_calm = False  # the queue was not filling when the run began
         self._dense = False  # the run comes fast enough to be a burst
         self._burst = False  # the run is a burst
+        self._shedding_until = float("-inf")  # filling, whatever the counts, until then
 
     # ----- what happens -----
     def arrival(self, count: int, long: bool, service_rate: float | None = None) -> None:
@@ -91,7 +95,7 @@ class QueueTrend:
             self._end_burst(previous)
         if new_run:
             self._run_since, self._run_size = now, 0
-            self._run_calm = not self._exceeds(len(self._arrivals))
+            self._run_calm = not self._filling_at(now)
         self._run_size += count
         self._dense = self._run_is_dense(now, service_rate)
         self._arrivals.extend([now] * count)
@@ -99,6 +103,12 @@ class QueueTrend:
             self._burst = True  # its members so far are no demand either
             while self._arrivals and self._arrivals[-1] >= self._run_since:
                 self._arrivals.pop()
+
+    def shed(self) -> None:
+        """A whole priority was refused for load: a gateway in front now holds such requests
+        back for a moment, and they never arrive here. The demand is there all the same, so
+        the queue counts as filling for an interval, and no run is a burst meanwhile."""
+        self._shedding_until = self.clock() + self.config.interval_s
 
     def start(self) -> None:
         """A waiting request started."""
@@ -116,8 +126,9 @@ class QueueTrend:
 
     @property
     def filling(self) -> bool:
-        self._prune(self.clock())
-        return self._exceeds(len(self._arrivals))
+        now = self.clock()
+        self._prune(now)
+        return self._filling_at(now)
 
     def counts(self) -> tuple[int, int]:
         """(arrivals, starts) counted over the last interval."""
@@ -127,19 +138,13 @@ class QueueTrend:
     @property
     def state(self) -> str:
         """burst, short, filling or draining: for metrics and /debug/state."""
-        if self._burst:
+        if self._burst and self.clock() - self._last_arrival <= self.config.burst_gap_s:
             return "burst"
         if not self._long:
             return "short"
         return "filling" if self.filling else "draining"
 
     # ----- inside -----
-    def _extend_run(self, now: float, count: int) -> None:
-        if now - self._last_arrival > self.config.burst_gap_s:
-            self._run_since, self._run_size = now, 0
-        self._last_arrival = now
-        self._run_size += count
-
     def _run_is_dense(self, now: float, service_rate: float | None) -> bool:
         """The run comes ``burst_factor`` times faster than requests start (any run, while
         that rate is unknown)."""
@@ -156,6 +161,9 @@ class QueueTrend:
 
     def _counted_starts(self) -> int:
         return sum(1 for t in self._starts if t > self._counted_from)
+
+    def _filling_at(self, now: float) -> bool:
+        return now < self._shedding_until or self._exceeds(len(self._arrivals))
 
     def _exceeds(self, arrivals: int) -> bool:
         c = self.config

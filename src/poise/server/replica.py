@@ -193,7 +193,7 @@ class Replica:
                 "predicted_wait_s": self.admission.predicted_wait(0),
                 "saturated": self.admission.saturated,
                 "queue_state": self.admission.trend.state,
-                "wait_error_s": round(self.admission.wait_error_s, 4),
+                "wait_error_s": round(self.admission.wait_error(0), 4),
                 "arrived_started": list(self.admission.trend.counts()),
             },
             "inflight_requests": len(self.inflight),
@@ -316,12 +316,13 @@ class Replica:
             headers = {"Retry-After": str(int(decision.retry_after_s))}
             if decision.sheds_priority:
                 headers[SHEDDING_HEADER] = str(priority)
-            raise APIError(
-                429,
-                self._refusal_message(reason, decision.predicted_wait_s),
-                code=reason,
-                headers=headers,
-            )
+            message = self._refusal_message(reason, decision.predicted_wait_s)
+            if decision.large:
+                message = (
+                    "the server is overloaded, and this request wants more than twice the KV "
+                    "cache of the typical one: under load the largest requests are refused first"
+                )
+            raise APIError(429, message, code=reason, headers=headers)
         for key in decision.shed:
             self.metrics.reject("shed")
             victim = self.inflight.get(key)

@@ -23,7 +23,12 @@ def references(model_dirs):
 
 ENGINE_SETUPS = {
     "roomy": {},
-    "preempting": {"num_kv_blocks": 48, "block_size": 4, "max_preemptions": 2},
+    "preempting": {
+        "num_kv_blocks": 48,
+        "block_size": 4,
+        "max_preemptions": 2,
+        "kv_admission": "optimistic",  # more start than can finish: preemption happens
+    },
     "chunked": {"max_num_batched_tokens": 16},
     "no-prefix-cache": {"enable_prefix_caching": False, "max_num_seqs": 2},
     "pytorch-attention": {"native_kernels": False, "num_kv_blocks": 48, "block_size": 4},

@@ -115,7 +115,12 @@ def test_interrupted_chunk_then_same_prefix_matches_transformers(checkpoint, ref
     clock = FakeClock()
     # Three blocks: "hi" and "mid" cannot both hold what they need, so one is preempted.
     blocks = 3 if how == "preempt" else 64
-    engine = LLMEngine(checkpoint, EngineConfig(**SETUP, num_kv_blocks=blocks), clock=clock)
+    engine = LLMEngine(
+        checkpoint,
+        # Started optimistically: "mid" starts beside "hi" and one of them must give way.
+        EngineConfig(**SETUP, num_kv_blocks=blocks, kv_admission="optimistic"),
+        clock=clock,
+    )
     done = _interrupt_mid_block(engine, clock, how)
     if how == "preempt":
         done |= _drain(engine)

@@ -53,7 +53,12 @@ def test_answers_validate_and_do_not_depend_on_how_the_batch_ran(llama_dir, room
         jsonschema.validate(json.loads(text), SCHEMA)
     # Chunked prefill and a pool so small that requests are preempted and computed again.
     tight, llm = _run(
-        llama_dir, temperature, num_kv_blocks=64, block_size=4, max_num_batched_tokens=16
+        llama_dir,
+        temperature,
+        num_kv_blocks=64,
+        block_size=4,
+        max_num_batched_tokens=16,
+        kv_admission="optimistic",
     )
     assert llm.engine.scheduler.num_preemptions_total > 0
     assert tight == roomy[temperature]
