@@ -131,8 +131,20 @@ def _errors(run: dict[str, Any]) -> None:
 
 def _kv(run: dict[str, Any]) -> None:
     long, steady = run["by_traffic"]["long"], run["by_traffic"]["steady"]
-    # The pool ran short, and the long requests, not the short ones, paid: refused (429 with
-    # Retry-After) or kept waiting for room, while the steady traffic was served.
+    # The fault shrank the pools, and they ran short: some replica held (nearly) all it had.
+    tl = run["timeline"]
+    shrunk = [
+        (used, cap)
+        for used_series, cap_series in zip(
+            tl["kv_used_blocks"], tl["kv_capacity_blocks"], strict=True
+        )
+        for used, cap in zip(used_series, cap_series, strict=True)
+        if used is not None and cap is not None and cap < max(c for c in cap_series if c)
+    ]
+    assert shrunk, "the pool never shrank"
+    assert max(used / cap for used, cap in shrunk) >= 0.75, run["output"]
+    # The long requests, not the short ones, paid: refused (429 with Retry-After) or kept
+    # waiting for room, while the steady traffic was served.
     held_back = long["refused"] > 0 or long["ttft"]["p99"] > 2 * steady["ttft"]["p99"]
     assert held_back, run["output"]
     assert long["completed"] > 0, run["output"]

@@ -133,6 +133,7 @@ class Timeline:
     sample_t: list[float]
     backends: dict[str, list[str]]  # per backend URL, per sample: routed, half-open, out, ?
     kv_used_blocks: list[list[int | None]]  # per replica, per sample
+    kv_capacity_blocks: list[list[int | None]] = field(default_factory=list)  # the same way
 
     @classmethod
     def of(
@@ -160,6 +161,13 @@ class Timeline:
             [smp.replicas[i].kv_used_blocks if i < len(smp.replicas) else None for smp in samples]
             for i in range(replicas)
         ]
+        capacity = [
+            [
+                smp.replicas[i].kv_capacity_blocks if i < len(smp.replicas) else None
+                for smp in samples
+            ]
+            for i in range(replicas)
+        ]
         return cls(
             list(range(n)),
             counts["completed"],
@@ -169,6 +177,7 @@ class Timeline:
             [round(smp.t, 3) for smp in samples],
             states,
             kv,
+            capacity,
         )
 
 

@@ -29,6 +29,7 @@ MIGRATIONS = "poise_gateway_stream_migrations"
 class ReplicaSample:
     up: bool  # answered /debug/state as a poise replica; if not, every count below is None
     kv_used_blocks: int | None = None
+    kv_capacity_blocks: int | None = None  # the pool, or what a fault limits it to
     preemptions: int | None = None
     inflight: int | None = None
 
@@ -65,6 +66,7 @@ def replica_sample(state: dict[str, Any] | None) -> ReplicaSample:
         return ReplicaSample(
             True,
             kv_used_blocks=int(kv["total_blocks"]) - int(kv["free_blocks"]),
+            kv_capacity_blocks=int(kv["total_blocks"]),
             preemptions=int(state["engine"]["preemptions_total"]),
             inflight=int(state["inflight_requests"]),
         )

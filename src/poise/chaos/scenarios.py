@@ -150,6 +150,8 @@ KV_READING_GAP_S = 0.25
 
 
 def _shrink_kv(h: Harness) -> None:
+    if not h.replica_count:
+        raise ChaosError("kv-exhaustion shrinks each replica's pool: pass their URLs (--replica)")
     # The steady traffic's need, at its most over a second: one reading may fall in a lull.
     need = [0] * h.replica_count
     total = [0] * h.replica_count

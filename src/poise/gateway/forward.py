@@ -70,6 +70,10 @@ NOT_SERVING_CODES = frozenset({"draining", "loading"})
 # only to carry its refusals back (see ``admission.PoolGate``).
 SHED_HOLD_S = 0.25
 FAILURE_STATUS = frozenset({500, 502, 503, 504})  # what counts against a backend's health
+# How long a broken stream waits for a backend other than the one it broke on to be eligible
+# (one marked down for a slow probe coming back, a restarted replica), and how often it looks.
+RESUME_WAIT_S = 3.0
+RESUME_LOOK_S = 0.1
 
 
 @dataclass(slots=True)
@@ -81,6 +85,9 @@ class Attempt:
     last_error: str | None = None
     overloaded: bool = False  # the last attempt was refused for load (429)
     cut_off: bool = False  # the last attempt was moved off a backend found dead
+    # Backends that refused the connection (nothing reached them): each is tried no more, and
+    # the request moves on at once, outside the retry budget (it carried nothing: no storm).
+    unreachable: list[Backend] = field(default_factory=list)
     holds_retry: bool = False  # a retry slot of the budget, until the retried attempt answers
     span: trace.Span | None = None  # the request's span: each attempt is a child of it
 
@@ -168,7 +175,7 @@ class Forwarder:
                 # After a refusal for load, none of those that refused; otherwise not the last one.
                 tried = journey.tried if journey.overloaded else journey.tried[-1:]
                 unable = frozenset(b for b in pool.backends if body_of(b) is None)
-                backend = pool.pick(affinity, frozenset(tried), unable)
+                backend = pool.pick(affinity, frozenset(tried) | set(journey.unreachable), unable)
                 permit = backend.breaker.acquire() if backend is not None else None
                 if fresh:
                     fresh = False
@@ -201,6 +208,12 @@ class Forwarder:
                     if not call.idempotent:
                         raise _give_up(journey)
                     continue
+                if journey.unreachable and journey.unreachable[-1] is backend:
+                    # The connection was refused: nothing was sent. Another backend at once, each
+                    # at most once, outside the budget; when none is left, the policy decides.
+                    reachable = [b for b in pool.eligible() if b not in journey.unreachable]
+                    if reachable and self.clock() < deadline:
+                        continue
                 # Not acceptable and nothing sent yet: retry if policy, deadline and budget allow.
                 if journey.overloaded:
                     # A backend that refused for load said so at once, so that the request can go
@@ -231,6 +244,19 @@ class Forwarder:
                 await asyncio.sleep(delay)
         finally:
             self._retry_answered(journey)
+
+    async def wait_for_another(self, pool: Pool, failed: Backend, deadline: float) -> None:
+        """Returns once a backend other than ``failed`` passes every check (``Pool.trusted``),
+        or after ``RESUME_WAIT_S`` (or at the deadline). A stream the client is receiving would
+        otherwise go back to the backend it just broke on, or to one in the panic set, or end in
+        an error, while another is a moment from taking it (a busy one marked down for a slow
+        probe, a restarted replica): a pause in the stream costs the client less than its end."""
+        for _ in range(round(RESUME_WAIT_S / RESUME_LOOK_S)):
+            if self.clock() >= deadline or any(
+                b is not failed and pool.trusted(b) for b in pool.backends
+            ):
+                return
+            await asyncio.sleep(RESUME_LOOK_S)
 
     def _retry_answered(self, journey: Attempt) -> None:
         """The retry's attempt has its answer (or the request is over): it is no longer in
@@ -373,10 +399,13 @@ class Forwarder:
                     f"the request's deadline passed while {backend.url} computed it",
                     code="timeout",
                 ) from None
-            given_up = not call.idempotent and not _never_sent(exc)
+            never_sent = _never_sent(exc)
+            given_up = not call.idempotent and not never_sent
+            if never_sent:
+                journey.unreachable.append(backend)
             outcome.done(
                 "timeout" if isinstance(exc, TimeoutError) else "connect_error",
-                recovery="none" if given_up else "retry",
+                recovery="none" if given_up else "move" if never_sent else "retry",
             )
             journey.last_error = f"{type(exc).__name__} from {backend.url}: {exc}"
             if given_up:

@@ -194,6 +194,8 @@ async def _handle(
     async def resume(position: StreamPosition, failed: Backend | None) -> Upstream:
         assert gw.forwarder is not None
         pool = gw.pools[served_by]
+        if failed is not None:
+            await gw.forwarder.wait_for_another(pool, failed, deadline)
         exact = position.noted and can_resume  # from the token position
         position.produced_by(failed)
 

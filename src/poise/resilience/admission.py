@@ -249,7 +249,7 @@ class AdmissionController:
                 if refusal.sheds_priority:
                     self.trend.shed()
                 return refusal
-            if self.trend.in_burst:
+            if self.trend.bursting:
                 tickets = [replace(t, teaches=False) for t in tickets]
         shed = self._make_room(len(tickets), sum(prompt_tokens), priority)
         if shed is None:

@@ -118,6 +118,11 @@ class QueueTrend:
 
     # ----- what it says -----
     @property
+    def bursting(self) -> bool:
+        """The last arrival belongs to a run seen to be a burst (not merely given the doubt)."""
+        return self._burst
+
+    @property
     def in_burst(self) -> bool:
         """The last arrival belongs to a burst, or to a run that may still prove to be one."""
         return self._burst or (

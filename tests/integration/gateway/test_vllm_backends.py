@@ -309,8 +309,9 @@ def _kill_check(g: GatewayProcess, pair: tuple[Any, Any], must_continue: bool = 
             expected = httpx.post(survivor.url + path, json=rest, timeout=60).json()
             expected_text = expected["choices"][0]["text"]
         # The seam: the continuation opens as the survivor continues that text. (Further on,
-        # greedy decoding in a batch of eight and alone may part ways in bfloat16.)
-        opening = _text(after[:3])
+        # greedy decoding in a batch of eight and alone may part ways in bfloat16: on a random
+        # model's near-ties, with AMX, as soon as the third token.)
+        opening = _text(after[:2])
         assert opening and expected_text.startswith(opening), (sent[-40:], opening)
     # Those on it that had sent nothing yet were simply retried on the other. (In the mixed
     # pool the victim may be a poise replica the vLLM beside it starved of CPU, none of whose

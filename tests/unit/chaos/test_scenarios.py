@@ -52,3 +52,8 @@ def test_faults_that_need_a_process_refuse_a_remote_deployment():
         run_scenario(SCENARIOS["kill-replica"], PLAN, setup, print)
     with pytest.raises(ChaosError, match="--model"):
         run_scenario(SCENARIOS["flood"], PLAN, Setup(), print)
+
+
+def test_kv_exhaustion_against_a_remote_gateway_needs_the_replicas():
+    with pytest.raises(ChaosError, match="--replica"):
+        SCENARIOS["kv-exhaustion"].inject(RemoteHarness([]))

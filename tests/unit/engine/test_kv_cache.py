@@ -104,3 +104,22 @@ def test_only_blocks_wholly_computed_are_cached():
     a.num_computed_tokens = 8
     kv.cache_full_blocks(a)
     assert kv.num_cached_blocks == 2
+
+
+def test_a_limit_shrinks_the_pool_without_taking_what_is_held():
+    """Fault injection: at most ``limit`` blocks held. Blocks held past it stay held; nothing
+    more is taken until usage is back under it; lifting it gives the pool back."""
+    kv = KVCacheManager(num_blocks=10, block_size=4)
+    a = req("a", list(range(24)))
+    assert kv.allocate_slots(a, 24)  # 6 blocks held
+    kv.limit = 4  # below what is held
+    assert kv.capacity == 4 and kv.num_free_blocks == 0 and kv.usage == 1.0
+    b = req("b", list(range(100, 104)))
+    assert not kv.allocate_slots(b, 4)
+    kv.free(a)
+    assert kv.num_free_blocks == 4 and kv.usage == 0.0
+    assert kv.allocate_slots(b, 4) and kv.usage == pytest.approx(1 / 4)
+    c = req("c", list(range(200, 216)))
+    assert not kv.allocate_slots(c, 16)  # 4 more would pass the limit (1 + 4 > 4)
+    kv.limit = None
+    assert kv.capacity == 10 and kv.num_free_blocks == 9 and kv.allocate_slots(c, 16)

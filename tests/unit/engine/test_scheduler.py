@@ -391,3 +391,30 @@ def test_a_short_request_that_finds_the_pool_full_takes_the_place_of_a_long_one(
             break
         run_step(s)
     assert short.finish_reason == long.finish_reason == "length"
+
+
+def test_a_health_probe_waits_for_blocks_and_takes_nobodys():
+    s, _ = make_scheduler(blocks=4, block_size=4)
+    user = add(s, "user", 12, max_tokens=4, priority=5)
+    run_step(s)  # 3 blocks held, 4 once it has its answer
+    probe = add(s, "probe", 8, max_tokens=1, priority=-(2**31))
+    probe.is_probe = True
+    out = run_step(s)
+    assert not out.preempted_request_ids and user.status is RequestStatus.RUNNING
+    assert probe.status is RequestStatus.WAITING
+    for _ in range(20):
+        if not s.has_unfinished:
+            break
+        run_step(s)
+    assert probe.finish_reason == user.finish_reason == "length"
+
+
+def test_a_better_priority_takes_a_worse_ones_seat_when_every_seat_is_taken():
+    s, _ = make_scheduler(max_num_seqs=2)
+    batch = [add(s, f"b{i}", 4, max_tokens=30, priority=10, first=100 * i) for i in range(2)]
+    run_step(s)
+    hi = add(s, "hi", 4, max_tokens=4, priority=0, first=900)
+    out = run_step(s)
+    assert hi.status is RequestStatus.RUNNING
+    assert len(out.preempted_request_ids) == 1 and out.preempted_request_ids[0] in ("b0", "b1")
+    assert sum(r.status is RequestStatus.RUNNING for r in batch) == 1

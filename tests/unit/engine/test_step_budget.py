@@ -192,3 +192,21 @@ def test_a_first_long_prompt_is_learned_not_clipped_as_a_stall():
         b.observe(0, 100, 0.1)  # 1 ms a prompt token
     assert b.line()[2] == pytest.approx(0.001, rel=0.2)
     assert b.prefill_room(4) < 100
+
+
+def test_a_share_of_the_budget_is_a_share_of_what_the_fixed_cost_leaves():
+    """20 ms a step, 2 ms a decode, 0.5 ms a prompt token, an 80 ms target: half the budget
+    for worse priorities is half of the 60 ms past the fixed cost, whatever that cost."""
+    b = StepBudget(StepBudgetConfig(target_s=0.08))
+    rng = random.Random(1)
+    for _ in range(80):
+        d, p = rng.randrange(0, 40), rng.randrange(0, 300)
+        b.observe(d, p, 0.02 + 0.002 * d + 0.0005 * p)
+    assert b.decode_room(5, 0.5) == pytest.approx((0.03 - 0.010) / 0.002, abs=1)
+    assert b.decode_room(5, 0.5, prefill_tokens=20) == pytest.approx(5, abs=1)
+    assert b.decode_room(40, 0.5) == 0
+    full = b.prefill_room(5)
+    assert b.prefill_room(5, 0.5) == pytest.approx(
+        (0.03 - 0.010 + max(0, b.bank_s)) / 0.0005, abs=2
+    )
+    assert b.prefill_room(5, 0.5) < full

@@ -327,3 +327,16 @@ def test_only_errors_it_answered_count_and_past_the_limit_it_is_scored_as_usual(
         assert not pool.judge(a, ok=False, error_answer=True)
     assert a.error_answers == 5 and not pool.outliers.is_ejected(a.url)
     assert {pool.pick() for _ in range(20)} == {b}
+
+
+def test_a_backend_sheds_the_best_priority_it_refused_for_a_moment():
+    pool = Pool("m", settings(1), lambda: 0.0, random.Random(0))
+    b = pool.backends[0]
+    assert not b.sheds(0, 100.0)
+    b.note_shedding(5, 100.0, 0.25)
+    assert b.sheds(5, 100.1) and b.sheds(9, 100.1) and not b.sheds(4, 100.1)
+    b.note_shedding(3, 100.2, 0.25)  # a better priority refused too: from 3 on, a while longer
+    assert b.sheds(3, 100.4) and not b.sheds(2, 100.4)
+    assert not b.sheds(9, 100.46)  # forgotten after the hold
+    b.note_shedding(7, 101.0, 0.25)  # a fresh refusal starts afresh, not from 3
+    assert b.sheds(7, 101.1) and not b.sheds(5, 101.1)

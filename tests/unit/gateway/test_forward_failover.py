@@ -518,3 +518,30 @@ async def test_a_refusal_that_names_no_priority_is_not_remembered(backends):
     with pytest.raises(APIError):
         await send(pool, fwd)
     assert not any(b.sheds(0, time.monotonic()) for b in pool.backends)
+
+
+async def test_a_broken_stream_waits_for_another_backend_rather_than_going_back(backends):
+    """The stream broke on one backend while the other was marked down: the resume waits for the
+    other to come back (a probe that was merely slow), not for its deadline, and goes there."""
+    pool, fwd = await backends(answer, answer)
+    broken, other = pool.backends
+    other.healthy = False
+    asyncio.get_running_loop().call_later(0.4, lambda: setattr(other, "healthy", True))
+    t0 = time.perf_counter()
+    await fwd.wait_for_another(pool, broken, time.monotonic() + 30)
+    waited = time.perf_counter() - t0
+    assert 0.35 < waited < 1.0
+    up = await send(pool, fwd, Attempt(tried=[broken]))
+    assert up.status == 200 and up.backend is other
+
+
+async def test_with_no_other_backend_the_resume_waits_a_bounded_time(backends, monkeypatch):
+    pool, fwd = await backends(answer)
+    monkeypatch.setattr("poise.gateway.forward.RESUME_WAIT_S", 0.3)
+    t0 = time.perf_counter()
+    await fwd.wait_for_another(pool, pool.backends[0], time.monotonic() + 30)
+    assert 0.25 < time.perf_counter() - t0 < 0.8
+    # Nor past the request's deadline.
+    t0 = time.perf_counter()
+    await fwd.wait_for_another(pool, pool.backends[0], time.monotonic() - 1)
+    assert time.perf_counter() - t0 < 0.05

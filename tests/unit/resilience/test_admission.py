@@ -280,3 +280,91 @@ def test_requests_that_will_take_a_lower_prioritys_slot_do_not_wait_for_its_pace
     # if second (one start interval), not third.
     forecast.running = [10] + [0] * 7
     assert ac.predicted_wait(0) == pytest.approx(1.0)
+
+
+def flood(ac: AdmissionController, clock: Clock, priority: int = 0, n: int = 30) -> None:
+    """Three arrive for every one that starts: one is served at once, two are refused (their
+    deadline is already here): the queue stays empty, and fills all the same."""
+    for i in range(n):
+        clock.now += 0.15
+        ac.admit([f"flood{priority}-{i}"], [1], priority=priority, blocks=[2])
+        ac.started(f"flood{priority}-{i}")
+        for j in range(2):
+            ac.admit([f"late{priority}-{i}-{j}"], [1], priority=priority, deadline=clock.now)
+
+
+def test_under_a_flood_the_largest_requests_are_refused_first_and_named_so():
+    """Typical requests fill 2 blocks; one of 10 is refused while the queue fills whatever
+    its wait, with its own message flag and no claim that the whole priority is shed; one of
+    typical size with no wait is admitted."""
+    clock = Clock()
+    forecast = FakeForecast(wait=0.0)
+    forecast.typical_footprint = 2
+    ac = AdmissionController(AdmissionConfig(queue_target_s=0.5), clock, lambda: forecast)
+    flood(ac, clock)
+    assert ac.trend.filling
+    big = ac.admit(["big"], [1], blocks=[10])
+    assert not big.admitted and big.reason == "overloaded" and big.large
+    assert not big.sheds_priority
+    assert ac.admit(["small"], [1], blocks=[2]).admitted
+    # An interactive request amid a batch flood is not shed for its size: it takes a batch
+    # request's place instead.
+    forecast.running = [10, 10]
+    assert ac.admit(["vip"], [1], priority=0, blocks=[10]).admitted
+    # With no target, nothing is refused for its size either.
+    ac2 = AdmissionController(AdmissionConfig(), clock, lambda: forecast)
+    forecast.running = []
+    flood(ac2, clock)
+    assert ac2.admit(["big2"], [1], blocks=[10]).admitted
+
+
+def test_a_refusal_says_when_the_whole_priority_is_shed_and_then_the_queue_stays_filling():
+    clock = Clock()
+    forecast = FakeForecast(wait=2.0)  # every place is 2 s away: any newcomer would wait
+    ac = AdmissionController(AdmissionConfig(queue_target_s=0.5), clock, lambda: forecast)
+    flood(ac, clock)
+    refused = ac.admit(["late"], [1], blocks=[2])
+    assert not refused.admitted and refused.sheds_priority and not refused.large
+    # The gateway now holds such requests back: fewer arrive, yet the queue counts as filling.
+    clock.now += 4.0
+    for key in list(ac.waiting)[:10]:
+        ac.started(key)
+    assert ac.trend.filling and ac.trend.state == "filling"
+    clock.now += 5.1
+    assert not ac.trend.filling  # an interval later, the counts decide again
+    # A full line sheds every newcomer of the priority, whatever its size.
+    full = AdmissionController(AdmissionConfig(max_waiting_requests=1), clock)
+    full.admit(["a"], [1])
+    refused = full.admit(["b"], [1])
+    assert refused.reason == "queue_full" and refused.sheds_priority
+
+
+def test_the_error_margin_learns_per_priority_from_typical_requests_and_stays_under_half():
+    clock = Clock()
+    forecast = FakeForecast(wait=0.0)
+    ac = AdmissionController(AdmissionConfig(queue_target_s=0.4), clock, lambda: forecast)
+    for i in range(7):  # too few samples: no margin yet
+        ac.admit([f"a{i}"], [1], priority=0)
+        clock.now += 0.1
+        ac.started(f"a{i}")
+    assert ac.wait_error(0) == 0.0
+    for i in range(20):  # each waited 0.1 s more than predicted (0)
+        clock.now += 2.0  # apart, so that nothing else moves
+        ac.admit([f"b{i}"], [1], priority=0)
+        clock.now += 0.1
+        ac.started(f"b{i}")
+    assert ac.wait_error(0) == pytest.approx(0.1)
+    assert ac.wait_error(10) == 0.0  # batch work's lateness is its own
+    for i in range(40):  # long waits: the margin stops at half the target
+        clock.now += 2.0
+        ac.admit([f"c{i}"], [1], priority=0)
+        clock.now += 3.0
+        ac.started(f"c{i}")
+    assert ac.wait_error(0) == pytest.approx(0.2)
+    # A request larger than the typical one (it waits for room by design) teaches nothing.
+    forecast.typical_footprint = 2
+    before = list(ac._errors[0])
+    ac.admit(["huge"], [1], blocks=[30])
+    clock.now += 9.0
+    ac.started("huge")
+    assert list(ac._errors[0]) == before
