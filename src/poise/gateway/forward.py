@@ -5,9 +5,13 @@ detection. Retries happen only while nothing has been sent to the client, never 
 backend twice in a row when another is eligible, and at most ``max_retries`` times:
 - a refusal for load (429) moves the request at once to a backend that has not refused it,
   outside the retry budget (a refusal costs next to nothing, and each backend is asked once);
-- a failure (connect error, a stream's first byte not within ``first_byte_s``, 500/502/503/504)
-  is retried after jittered backoff (or the backend's ``Retry-After``) capped by the deadline,
-  within the gateway-wide retry budget, whose slot the retry holds until its attempt answers.
+- so does a connection that could not be made (refused, or not made within ``connect_s``):
+  nothing reached the backend, so nothing can storm; each backend is tried so at most once, and
+  when no other is left the policy below decides;
+- a failure (a stream's first byte not within ``first_byte_s``, 500/502/503/504, a connection
+  lost after the request went out) is retried after jittered backoff (or the backend's
+  ``Retry-After``) capped by the deadline, within the gateway-wide retry budget, whose slot the
+  retry holds until its attempt answers.
 A whole (non-streamed) answer is bounded only by the request's deadline: it is silent until
 complete, and cutting it would have another backend compute it again. A deadline that runs out
 is the request's 504, not the backend's failure. A 4xx other than 429 is the client's and passes
@@ -85,9 +89,11 @@ class Attempt:
     last_error: str | None = None
     overloaded: bool = False  # the last attempt was refused for load (429)
     cut_off: bool = False  # the last attempt was moved off a backend found dead
-    # Backends that refused the connection (nothing reached them): each is tried no more, and
-    # the request moves on at once, outside the retry budget (it carried nothing: no storm).
+    # Backends no connection could be made to (nothing reached them): the request moves on at
+    # once, outside the retry budget (it carried nothing: no storm), never back to one of them.
     unreachable: list[Backend] = field(default_factory=list)
+    moving: bool = False  # the next pick is such a move
+    unable: frozenset[Backend] = frozenset()  # the backends the request's body is not for
     holds_retry: bool = False  # a retry slot of the budget, until the retried attempt answers
     span: trace.Span | None = None  # the request's span: each attempt is a child of it
 
@@ -174,7 +180,10 @@ class Forwarder:
             while True:
                 # After a refusal for load, none of those that refused; otherwise not the last one.
                 tried = journey.tried if journey.overloaded else journey.tried[-1:]
-                unable = frozenset(b for b in pool.backends if body_of(b) is None)
+                unable = journey.unable = frozenset(b for b in pool.backends if body_of(b) is None)
+                if journey.moving:  # a move goes only where a connection may yet be made
+                    journey.moving = False
+                    unable |= frozenset(journey.unreachable)
                 backend = pool.pick(affinity, frozenset(tried) | set(journey.unreachable), unable)
                 permit = backend.breaker.acquire() if backend is not None else None
                 if fresh:
@@ -209,10 +218,13 @@ class Forwarder:
                         raise _give_up(journey)
                     continue
                 if journey.unreachable and journey.unreachable[-1] is backend:
-                    # The connection was refused: nothing was sent. Another backend at once, each
-                    # at most once, outside the budget; when none is left, the policy decides.
-                    reachable = [b for b in pool.eligible() if b not in journey.unreachable]
-                    if reachable and self.clock() < deadline:
+                    # No connection was made: nothing was sent. Another backend at once, outside
+                    # the budget, never one already found unreachable; when none is left, the
+                    # policy decides.
+                    left = deadline - self.clock()
+                    if self._reachable(pool, journey) and left >= self.policy.min_attempt_s:
+                        journey.retries += 1  # an attempt after a failure, as a 429's move
+                        journey.moving = True
                         continue
                 # Not acceptable and nothing sent yet: retry if policy, deadline and budget allow.
                 if journey.overloaded:
@@ -245,12 +257,21 @@ class Forwarder:
         finally:
             self._retry_answered(journey)
 
+    @staticmethod
+    def _reachable(pool: Pool, journey: Attempt) -> list[Backend]:
+        """The eligible backends a move may go to: none found unreachable, each able to take the
+        request's body."""
+        gone = journey.unable | set(journey.unreachable)
+        return [b for b in pool.eligible() if b not in gone]
+
     async def wait_for_another(self, pool: Pool, failed: Backend, deadline: float) -> None:
         """Returns once a backend other than ``failed`` passes every check (``Pool.trusted``),
         or after ``RESUME_WAIT_S`` (or at the deadline). A stream the client is receiving would
         otherwise go back to the backend it just broke on, or to one in the panic set, or end in
         an error, while another is a moment from taking it (a busy one marked down for a slow
         probe, a restarted replica): a pause in the stream costs the client less than its end."""
+        if not any(b is not failed and not b.retired for b in pool.backends):
+            return  # nothing else to wait for
         for _ in range(round(RESUME_WAIT_S / RESUME_LOOK_S)):
             if self.clock() >= deadline or any(
                 b is not failed and pool.trusted(b) for b in pool.backends
@@ -403,9 +424,12 @@ class Forwarder:
             given_up = not call.idempotent and not never_sent
             if never_sent:
                 journey.unreachable.append(backend)
+            # A move where another backend may take it (send decides, the deadline in hand),
+            # else the policy's retry.
+            moves = never_sent and bool(self._reachable(pool, journey))
             outcome.done(
                 "timeout" if isinstance(exc, TimeoutError) else "connect_error",
-                recovery="none" if given_up else "move" if never_sent else "retry",
+                recovery="none" if given_up else "move" if moves else "retry",
             )
             journey.last_error = f"{type(exc).__name__} from {backend.url}: {exc}"
             if given_up:

@@ -76,7 +76,7 @@ class BackendCounts:
     first: int = 0
     ok: int = 0
     failed: int = 0  # before anything reached the client: retried, within policy and budget
-    moved: int = 0  # cut off, its backend found dead: moved at once, outside policy and budget
+    moved: int = 0  # cut off (found dead) or never connected to: moved at once, outside budget
     overloaded: int = 0  # a 429: moved at once to a backend not yet tried, outside the budget
     broken: int = 0  # a stream broken after it began, that can be resumed on another backend
     final: int = 0  # a failure that reaches the client as it is (nothing may retry it)

@@ -530,18 +530,104 @@ async def test_a_broken_stream_waits_for_another_backend_rather_than_going_back(
     t0 = time.perf_counter()
     await fwd.wait_for_another(pool, broken, time.monotonic() + 30)
     waited = time.perf_counter() - t0
-    assert 0.35 < waited < 1.0
+    assert 0.35 < waited < 2.0  # not RESUME_WAIT_S (3 s)
     up = await send(pool, fwd, Attempt(tried=[broken]))
     assert up.status == 200 and up.backend is other
 
 
-async def test_with_no_other_backend_the_resume_waits_a_bounded_time(backends, monkeypatch):
-    pool, fwd = await backends(answer)
+async def test_the_resume_waits_a_bounded_time_and_only_for_what_may_come(backends, monkeypatch):
     monkeypatch.setattr("poise.gateway.forward.RESUME_WAIT_S", 0.3)
+    pool, fwd = await backends(answer, answer)
+    broken, other = pool.backends
+    other.healthy = False  # and it stays down
     t0 = time.perf_counter()
-    await fwd.wait_for_another(pool, pool.backends[0], time.monotonic() + 30)
-    assert 0.25 < time.perf_counter() - t0 < 0.8
+    await fwd.wait_for_another(pool, broken, time.monotonic() + 30)
+    assert 0.25 < time.perf_counter() - t0 < 1.5
     # Nor past the request's deadline.
     t0 = time.perf_counter()
-    await fwd.wait_for_another(pool, pool.backends[0], time.monotonic() - 1)
-    assert time.perf_counter() - t0 < 0.05
+    await fwd.wait_for_another(pool, broken, time.monotonic() - 1)
+    assert time.perf_counter() - t0 < 0.2
+    # A pool with no other backend has nothing to wait for.
+    alone, fwd1 = await backends(answer)
+    t0 = time.perf_counter()
+    await fwd1.wait_for_another(alone, alone.backends[0], time.monotonic() + 30)
+    assert time.perf_counter() - t0 < 0.2
+
+
+def _closed_url() -> str:
+    """A loopback port nothing listens on: every connection to it is refused."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}"
+
+
+async def _pool_with_closed(handler: Handler) -> tuple[Pool, Forwarder, web.AppRunner, list]:
+    runner, url = await serve(handler)
+    settings = GatewaySettings.model_validate(
+        {"models": {"m": {"backends": [{"url": _closed_url()}, {"url": url}]}}}
+    )
+    pool = Pool("m", settings, time.monotonic, random.Random(0))
+    outcomes: list[tuple[str, str, str]] = []
+    fwd = Forwarder(
+        aiohttp.ClientSession(),
+        RetryPolicy(max_retries=2, base_s=0.5, cap_s=1.0),
+        RetryBudget(),
+        Timeouts(2.0, 60.0),
+        on_outcome=lambda b, outcome, first, recovery: outcomes.append((b.url, outcome, recovery)),
+    )
+    return pool, fwd, runner, outcomes
+
+
+async def test_a_refused_connection_moves_to_another_backend_at_once_outside_the_budget():
+    pool, fwd, runner, outcomes = await _pool_with_closed(answer)
+    closed, good = pool.backends
+    budget_asked: list[bool] = []
+    fwd.budget.try_retry = lambda: budget_asked.append(True) or True  # type: ignore[method-assign]
+    try:
+        moved = 0
+        for _ in range(8):  # whichever is picked first
+            journey = Attempt()
+            t0 = time.perf_counter()
+            up = await send(pool, fwd, journey)
+            assert up.status == 200 and up.backend is good
+            assert time.perf_counter() - t0 < 0.4  # no backoff (0.5 s and more)
+            assert journey.tried in ([good], [closed, good])
+            moved += journey.tried == [closed, good]
+            if journey.tried == [closed, good]:
+                assert journey.retries == 1  # the attempt count tells the move from a first try
+        assert moved >= 1, "the closed port was never picked first"
+        assert not budget_asked, "a move is outside the retry budget"
+        refused = [o for o in outcomes if o[0] == closed.url]
+        assert refused and all(o[1:] == ("connect_error", "move") for o in refused)
+    finally:
+        await fwd.session.close()
+        await runner.cleanup()
+
+
+async def test_a_refused_connection_with_nowhere_to_move_is_the_policys_to_retry():
+    """The other backend cannot take this body: no move (it would go back to the closed port
+    at once, again and again); the policy retries, within max_retries, and gives up."""
+    pool, fwd, runner, outcomes = await _pool_with_closed(answer)
+    closed, good = pool.backends
+    fwd.policy = RetryPolicy(max_retries=2, base_s=0.0, cap_s=0.0)
+    try:
+        journey = Attempt()
+        with pytest.raises(APIError) as err:
+            await fwd.send(
+                pool,
+                "/v1/completions",
+                lambda b: None if b is good else b'{"model": "m", "prompt": "x"}',
+                {"content-type": "application/json"},
+                time.monotonic() + 30,
+                False,
+                None,
+                journey,
+            )
+        assert err.value.status in (502, 503)
+        assert journey.tried == [closed] * 3  # the first attempt and max_retries, no more
+        assert [o[1:] for o in outcomes] == [("connect_error", "retry")] * 3
+    finally:
+        await fwd.session.close()
+        await runner.cleanup()
