@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 
@@ -113,6 +113,11 @@ class SlotForecast:
 # many typical ones beside it: under pressure on the pool, the requests that want the most
 # wait (and are refused, when they would wait too long) before the short ones do.
 ROOM_FOR_OTHERS = 4
+
+
+def median_footprint(footprints: Sequence[int]) -> int:
+    """The typical running request's footprint, in blocks: the median (0 when none run)."""
+    return sorted(footprints)[len(footprints) // 2] if footprints else 0
 
 
 def room_left_for_others(own: int, typical: int) -> int:
@@ -208,5 +213,5 @@ class SlotForecaster:
             kv_headroom_blocks=1 << 30 if pool is None else pool.free_blocks - owed,
             kv_releases=tuple(sorted(releases)),
             typical_output=None if typical is None else round(typical),
-            typical_footprint=sorted(footprints)[len(footprints) // 2] if footprints else 0,
+            typical_footprint=median_footprint(footprints),
         )

@@ -184,6 +184,11 @@ class Request:
         return len(self.prompt_token_ids)
 
     @property
+    def num_uncomputed_tokens(self) -> int:
+        """Tokens not yet in the KV cache: 1 while it decodes, more while its prompt is."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
     def is_finished(self) -> bool:
         return self.status.is_finished
 

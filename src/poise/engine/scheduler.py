@@ -56,7 +56,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from poise.engine.errors import InvalidRequestError
-from poise.engine.forecast import room_left_for_others
+from poise.engine.forecast import median_footprint, room_left_for_others
 from poise.engine.intake import check_fits
 from poise.engine.kv_cache import KVCacheManager
 from poise.engine.outputs import KVPicture
@@ -255,9 +255,7 @@ class Scheduler:
         paused, lower_room = self._pause_lower_priorities()
         # With a time budget, decode tokens first: what they leave goes to prefill chunks.
         decodes = sum(
-            1
-            for r in self.running
-            if r.num_tokens - r.num_computed_tokens == 1 and r.request_id not in paused
+            1 for r in self.running if r.num_uncomputed_tokens == 1 and r.request_id not in paused
         )
         prefill_room = self._prefill_room(decodes)
         if prefill_room is not None:
@@ -266,7 +264,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            left = request.num_tokens - request.num_computed_tokens
+            left = request.num_uncomputed_tokens
             if request.request_id in paused:
                 i += 1
                 continue
@@ -321,15 +319,15 @@ class Scheduler:
         starting = [r for r in self.waiting if r.priority == best and not r.is_probe][
             : max(0, slots)
         ]
-        decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        decoding = [r for r in self.running if r.num_uncomputed_tokens == 1]
         lower = [r for r in decoding if r.priority > best]
         if not lower:
             return set(), None
         ahead = len(decoding) - len(lower)
         prompts = sum(
-            r.num_tokens - r.num_computed_tokens
+            r.num_uncomputed_tokens
             for r in (*self.running, *starting)
-            if r.priority == best and r.num_tokens - r.num_computed_tokens > 1
+            if r.priority == best and r.num_uncomputed_tokens > 1
         )
         best_room = budget.prefill_room(ahead)
         prompts = prompts if best_room is None else min(prompts, best_room)
@@ -551,7 +549,7 @@ class Scheduler:
         median running footprint."""
         footprints = [(self.footprint_blocks(r), r) for r in self.running if not r.is_probe]
         owed = sum(max(0, f - self.kv.num_held_blocks(r.request_id)) for f, r in footprints)
-        typical = sorted(f for f, _ in footprints)[len(footprints) // 2] if footprints else 0
+        typical = median_footprint([f for f, _ in footprints])
         return self.kv.num_free_blocks - owed, typical
 
     def _has_slot(self, request: Request, max_running: int) -> bool:

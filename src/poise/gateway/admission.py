@@ -104,13 +104,12 @@ class PoolGate:
         if self.hold_shedding and eligible and all(b.sheds(priority, now) for b in eligible):
             # Each refused this priority for load a moment ago: say so here, at once, rather
             # than forward a flood's requests only to carry their refusals back.
-            self.on_refusal(self.pool.model, "shedding")
-            raise APIError(
+            raise self._refusal(
+                "shedding",
                 429,
                 f"every backend of model {self.pool.model!r} is refusing requests of priority "
                 f"{priority} or worse for load; try again shortly",
                 code="overloaded",
-                headers={"Retry-After": "1"},
             )
         best_waiting = self.line.best_priority()
         ahead = best_waiting is not None and best_waiting <= priority
@@ -121,13 +120,11 @@ class PoolGate:
         ident = next(self._ids)
         offer = self.line.offer(ident, priority)
         if not offer.queued:
-            self.on_refusal(self.pool.model, "queue_full")
-            raise APIError(
+            raise self._refusal(
+                "queue_full",
                 503,
                 f"the gateway's queue for model {self.pool.model!r} is full "
                 f"({self.settings.max_queue} waiting)",
-                code="queue_full",
-                headers={"Retry-After": "1"},
             )
         for victim in offer.shed:
             self._refuse(victim, "shed", "shed from the gateway's queue for higher-priority work")
@@ -168,11 +165,15 @@ class PoolGate:
         self.line.remove(ident)
         self._waiters.pop(ident, None)
 
+    def _refusal(self, reason: str, status: int, message: str, code: str | None = None) -> APIError:
+        """A refusal for load, counted under ``reason``: the client may try again in a second."""
+        self.on_refusal(self.pool.model, reason)
+        return APIError(status, message, code=code or reason, headers={"Retry-After": "1"})
+
     def _refuse(self, ident: object, reason: str, message: str) -> None:
         entry = self._waiters.pop(ident, None)  # type: ignore[call-overload]
-        self.on_refusal(self.pool.model, reason)
+        error = self._refusal(reason, 429, message)
         if entry is not None and not entry[1].done():
-            error = APIError(429, message, code=reason, headers={"Retry-After": "1"})
             entry[1].set_exception(error)
 
     def _admit(self) -> None:
