@@ -334,10 +334,19 @@ class LLMEngine:
         before = budget.reachable
         budget.observe(decodes, out.num_batched_tokens - decodes, seconds)
         if budget.reachable is False and before is not False:
+            a, b_d, b_p = budget.line() or (0.0, 0.0, 0.0)
             log.warning(
                 "one decode step takes longer than the step time budget (%.0f ms) on this "
-                "hardware: the budget stands aside, only the token and sequence caps apply",
+                "hardware: the budget stands aside, only the token and sequence caps apply "
+                "(fitted: %.1f ms a step, %.2f ms a decode, %.3f ms a prompt token; the last "
+                "step: %d decodes, %d prompt tokens, %.0f ms)",
                 1000 * budget.config.target_s,
+                1000 * a,
+                1000 * b_d,
+                1000 * b_p,
+                decodes,
+                out.num_batched_tokens - decodes,
+                1000 * seconds,
             )
 
     def _recompute_crossed(self, advanced: list[Request]) -> None:

@@ -29,6 +29,8 @@ No library fits: a three-term least squares on the engine's own step timings.
 from __future__ import annotations
 
 import math
+import statistics
+from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -63,6 +65,12 @@ class StepBudgetConfig:
 # A step's time is fitted no further than this many times what the line predicted for it.
 _STALL_FACTOR = 3.0
 
+# Whether the budget is in reach is judged on the last few steps of the smallest shape (one
+# decode, a minimal prompt chunk) measured within this many steps; their median, so that one
+# stall does not decide it.
+_SMALL_STEPS = 5
+_SMALL_STEPS_AGE = 500
+
 # Which of (fixed, per decode, per prompt token) a fit keeps: all, then every smaller set.
 _SUBSETS = [[0, 1, 2], [0, 1], [0, 2], [1, 2], [0], [1], [2]]
 
@@ -86,6 +94,7 @@ class StepBudget:
         self._cap: int | None = None  # the running set's cap, moved one at a time
         self._cap_grows = False  # the last step left room for one more
         self._reachable = True
+        self._small: deque[tuple[int, float]] = deque(maxlen=_SMALL_STEPS)  # (step, seconds)
         # The most prompt tokens a recent step carried (decayed as the fit forgets): the fit
         # prices prompt tokens only up to there (see ``_step_s``).
         self._prompt_seen = 0.0
@@ -96,6 +105,8 @@ class StepBudget:
         if decodes + prefill_tokens <= 0 or seconds < 0 or not math.isfinite(seconds):
             return
         c = self.config
+        if decodes <= 1 and prefill_tokens <= c.min_tokens:
+            self._small.append((self.steps, seconds))
         if decodes > 0:
             most = c.bank_targets * c.target_s
             self.bank_s = max(-most, min(most, self.bank_s + c.target_s - seconds))
@@ -162,16 +173,27 @@ class StepBudget:
         None before the model is trusted. Out of reach (a model too big for the hardware and
         the budget), the budget would run one request at a time and prefill a prompt in
         crumbs: it stands aside instead and the token and sequence caps alone apply. With a
-        margin both ways, so that a machine near the edge does not flip between the two."""
+        margin both ways, so that a machine near the edge does not flip between the two.
+
+        Put out of reach only by such steps measured, never by the fit: under a flood on a
+        shared machine (the engine's threads niced below the HTTP work) steps of fifteen
+        decodes took 150-300 ms at random, the fit put most of it in the fixed cost, and the
+        budget stood aside: the running set then grew to ``max_num_seqs`` with batch work and
+        the interactive requests beside it missed their deadlines. Steps that large say
+        nothing of whether one decode fits; the running cap, judged where it is measured,
+        answers them. Back in reach by either measure."""
         fit = self.line()
         if fit is None:
             return None
-        smallest = self._step_s(fit, 1, self.config.min_tokens, self.config.reserve_share / 2)
         target = self.config.target_s
-        if self._reachable:
-            self._reachable = smallest < target
-        else:
-            self._reachable = smallest < 0.75 * target
+        recent = [t for step, t in self._small if self.steps - step <= _SMALL_STEPS_AGE]
+        measured = statistics.median(recent) if recent else None
+        limit = target if self._reachable else 0.75 * target
+        if measured is not None:
+            self._reachable = measured < limit
+        elif not self._reachable:
+            smallest = self._step_s(fit, 1, self.config.min_tokens, self.config.reserve_share / 2)
+            self._reachable = smallest < limit
         if not self._reachable:
             self._cap = None  # back in reach, the cap starts again from what runs then
         return self._reachable
@@ -235,11 +257,16 @@ class StepBudget:
 
     def _adjust_cap(self, decodes: int) -> None:
         """After a step with ``decodes`` running: one more may run while such a step leaves
-        ``prefill_reserve`` prompt tokens, one fewer once it leaves less than ``min_tokens``.
+        ``prefill_reserve`` prompt tokens, and fewer than ran once it leaves less than
+        ``min_tokens``.
 
         Judged only where it was measured, never extrapolated: the fit cannot tell a step's
         fixed cost from its per-decode cost when every step had the same number of decodes,
-        and a cap read off such a fit swung between one request and all of them."""
+        and a cap read off such a fit swung between one request and all of them. So a step
+        that ran over says that as many as ran are too many, not one fewer than the cap each
+        time: those running still run, and under a flood on a shared machine the cap fell a
+        step at a time to one while seventeen ran, and no interactive request started for
+        seconds."""
         fit = self.line()
         if fit is None or not self.reachable:
             return
@@ -252,4 +279,4 @@ class StepBudget:
         if self._cap_grows:
             self._cap = max(self._cap, decodes + 1)
         elif self._step_s(fit, decodes, c.min_tokens, c.reserve_share / 2) >= c.target_s:
-            self._cap = max(1, min(self._cap, decodes) - 1)
+            self._cap = max(1, min(self._cap, decodes - 1))

@@ -8,11 +8,12 @@ seconds. So a long wait alone refuses nothing here. A newcomer is refused at onc
 
 - it is predicted to start after its own deadline (``X-Request-Deadline-Ms`` or the server's
   default timeout): it cannot be served in time;
-- the queue is *filling*, that is more requests arrive than start (``queue_trend``), and it is
-  predicted to wait longer than ``queue_target_s``. Under a flood this keeps the queue about
-  the target deep, so the requests admitted keep their time to first token; a burst that drains,
-  or a closed loop of clients that each send again when answered, is served however long the
-  queue it makes. While the queue fills, a request that would fill more than ``BIG_FACTOR``
+- the queue is *filling*, that is more requests of its priority or a better one arrive than
+  start (``queue_trend``: counted per priority, so a batch flood fills the batch queue, not the
+  interactive one beside it), and it is predicted to wait longer than ``queue_target_s``.
+  Under a flood this keeps the queue about the target deep, so the requests admitted keep
+  their time to first token; a burst that drains, or a closed loop of clients that each send
+  again when answered, is served however long the queue it makes. While the queue fills, a request that would fill more than ``BIG_FACTOR``
   times the KV blocks of the typical running one is refused whatever its wait: under a flood
   the requests that want the most are shed first (the engine, for its part, makes them wait
   for room in the pool before the short ones);
@@ -58,7 +59,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
-from poise.resilience.queue_trend import QueueTrend, TrendConfig
+from poise.resilience.queue_trend import PriorityTrends, TrendConfig
 
 # Under a flood, a request that would fill more than this many times the KV blocks of the
 # typical running request is refused whatever its wait: the requests that want the most are
@@ -159,7 +160,7 @@ class AdmissionController:
         self.config = config
         self.clock = clock
         self.forecast = forecast
-        self.trend = QueueTrend(config.trend, clock)
+        self.trends = PriorityTrends(config.trend, clock)
         self.waiting: dict[str, Ticket] = {}
         self.waiting_tokens = 0
         self._intervals: deque[tuple[float, float]] = deque(maxlen=config.rate_window)  # (at, s)
@@ -247,9 +248,9 @@ class AdmissionController:
             )
             if refusal is not None:
                 if refusal.sheds_priority:
-                    self.trend.shed()
+                    self.trends.of(priority).shed()
                 return refusal
-            if self.trend.bursting:
+            if self.trends.of(priority).bursting:
                 tickets = [replace(t, teaches=False) for t in tickets]
         shed = self._make_room(len(tickets), sum(prompt_tokens), priority)
         if shed is None:
@@ -261,7 +262,7 @@ class AdmissionController:
             excess = len(self.waiting) + len(tickets) - self.config.max_waiting_requests
             refusal = self._refuse(reason, wait, max(1, excess) * self._interval_estimate())
             if reason == "queue_full":  # it refuses any newcomer of this priority or worse
-                self.trend.shed()
+                self.trends.of(priority).shed()
                 refusal = replace(refusal, sheds_priority=True)
             return refusal
         for ticket in shed:
@@ -278,10 +279,11 @@ class AdmissionController:
         margin = self.wait_error(priority)
         long = target is not None and wait + margin > target
         interval = self.mean_start_interval_s
-        self.trend.arrival(count, long, 1.0 / interval if interval else None)
+        trend = self.trends.of(priority)
+        trend.arrival(count, long, 1.0 / interval if interval else None)
         if deadline is not None and wait >= deadline - self.clock():
             return self._refuse("deadline", wait, wait)
-        if (long or big) and not self.trend.in_burst and self.trend.filling:
+        if (long or big) and not trend.in_burst and self.trends.filling(priority):
             assert target is not None
             if not long:  # its size alone: the flood's largest go first
                 return replace(self._refuse("overloaded", wait, 1.0), large=True)
@@ -312,7 +314,7 @@ class AdmissionController:
         if ticket is None:
             return None
         if ticket.counted:
-            self.trend.start()
+            self.trends.of(ticket.priority).start()
         now = self.clock()
         error = now - ticket.arrival - ticket.predicted
         if ticket.teaches:

@@ -135,6 +135,19 @@ class QueueTrend:
         self._prune(now)
         return self._filling_at(now)
 
+    @property
+    def quiet(self) -> bool:
+        """Nothing counted over the interval, no burst going on and no shedding: forgetting
+        it loses nothing."""
+        now = self.clock()
+        self._prune(now)
+        return (
+            not self._arrivals
+            and not self._starts
+            and not self._burst
+            and now >= self._shedding_until
+        )
+
     def counts(self) -> tuple[int, int]:
         """(arrivals, starts) counted over the last interval."""
         self._prune(self.clock())
@@ -180,3 +193,46 @@ class QueueTrend:
         for times in (self._arrivals, self._starts):
             while times and times[0] <= horizon:
                 times.popleft()
+
+
+# Trends kept for priorities seen lately; past this many, those that have gone quiet are
+# dropped (a client may send any priority value).
+_MAX_TRENDS = 16
+
+
+class PriorityTrends:
+    """A ``QueueTrend`` per priority: a flood of batch work fills its own queue, not the
+    interactive one beside it. Requests of a priority queue behind those of a better one, so
+    a priority's queue fills when its own arrivals outrun its starts or a better one's do."""
+
+    def __init__(self, config: TrendConfig, clock: Callable[[], float]) -> None:
+        self.config = config
+        self.clock = clock
+        self._trends: dict[int, QueueTrend] = {}
+
+    def of(self, priority: int) -> QueueTrend:
+        trend = self._trends.get(priority)
+        if trend is None:
+            if len(self._trends) >= _MAX_TRENDS:
+                for p in [p for p, t in self._trends.items() if t.quiet]:
+                    del self._trends[p]
+            trend = self._trends[priority] = QueueTrend(self.config, self.clock)
+        return trend
+
+    def __len__(self) -> int:
+        return len(self._trends)
+
+    def filling(self, priority: int) -> bool:
+        return any(t.filling for p, t in self._trends.items() if p <= priority)
+
+    def counts(self, priority: int | None = None) -> tuple[int, int]:
+        """(arrivals, starts) of this priority and better (None: of all) over the last
+        interval."""
+        pairs = [t.counts() for p, t in self._trends.items() if priority is None or p <= priority]
+        return sum(a for a, _ in pairs), sum(s for _, s in pairs)
+
+    @property
+    def state(self) -> str:
+        """The most pressing state of any priority (filling, burst, draining, short)."""
+        states = {t.state for t in self._trends.values()}
+        return next((s for s in ("filling", "burst", "draining") if s in states), "short")

@@ -140,7 +140,7 @@ class Replica:
             predicted_wait_s=self.admission.predicted_wait(0),
             kv=stats.kv,
             kv_headroom_blocks=min(stats.forecast.kv_headroom_blocks, stats.num_free_blocks),
-            queue_state=self.admission.trend.state,
+            queue_state=self.admission.trends.state,
         )
 
     @property
@@ -192,9 +192,9 @@ class Replica:
                 "waiting_prompt_tokens": self.admission.waiting_tokens,
                 "predicted_wait_s": self.admission.predicted_wait(0),
                 "saturated": self.admission.saturated,
-                "queue_state": self.admission.trend.state,
+                "queue_state": self.admission.trends.state,
                 "wait_error_s": round(self.admission.wait_error(0), 4),
-                "arrived_started": list(self.admission.trend.counts()),
+                "arrived_started": list(self.admission.trends.counts()),
             },
             "inflight_requests": len(self.inflight),
         }
@@ -316,7 +316,7 @@ class Replica:
             headers = {"Retry-After": str(int(decision.retry_after_s))}
             if decision.sheds_priority:
                 headers[SHEDDING_HEADER] = str(priority)
-            message = self._refusal_message(reason, decision.predicted_wait_s)
+            message = self._refusal_message(reason, decision.predicted_wait_s, priority)
             if decision.large:
                 message = (
                     "the server is overloaded, and this request wants more than twice the KV "
@@ -335,12 +335,13 @@ class Replica:
                 )
             self.engine.abort(key)
 
-    def _refusal_message(self, reason: str, wait: float) -> str:
+    def _refusal_message(self, reason: str, wait: float, priority: int) -> str:
         waiting = len(self.admission.waiting)
         if reason == "overloaded":
-            arrived, started = self.admission.trend.counts()
+            arrived, started = self.admission.trends.counts(priority)
             return (
-                f"the server is overloaded: {arrived} requests arrived and {started} started "
+                f"the server is overloaded: {arrived} requests of priority {priority} or better "
+                f"arrived and {started} started "
                 f"over the last {self.admission.config.trend.interval_s:g}s, and this one would "
                 f"wait {wait:.2f}s (more than {self.settings.queue_target_s:g}s) behind "
                 f"{waiting} waiting"

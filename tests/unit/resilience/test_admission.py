@@ -302,7 +302,7 @@ def test_under_a_flood_the_largest_requests_are_refused_first_and_named_so():
     forecast.typical_footprint = 2
     ac = AdmissionController(AdmissionConfig(queue_target_s=0.5), clock, lambda: forecast)
     flood(ac, clock)
-    assert ac.trend.filling
+    assert ac.trends.filling(0)
     big = ac.admit(["big"], [1], blocks=[10])
     assert not big.admitted and big.reason == "overloaded" and big.large
     assert not big.sheds_priority
@@ -329,14 +329,38 @@ def test_a_refusal_says_when_the_whole_priority_is_shed_and_then_the_queue_stays
     clock.now += 4.0
     for key in list(ac.waiting)[:10]:
         ac.started(key)
-    assert ac.trend.filling and ac.trend.state == "filling"
+    assert ac.trends.filling(0) and ac.trends.state == "filling"
     clock.now += 5.1
-    assert not ac.trend.filling  # an interval later, the counts decide again
+    assert not ac.trends.filling(0)  # an interval later, the counts decide again
     # A full line sheds every newcomer of the priority, whatever its size.
     full = AdmissionController(AdmissionConfig(max_waiting_requests=1), clock)
     full.admit(["a"], [1])
     refused = full.admit(["b"], [1])
     assert refused.reason == "queue_full" and refused.sheds_priority
+
+
+def test_a_batch_flood_fills_the_batch_queue_not_the_interactive_one():
+    """Batch requests arrive three for every one that starts; interactive ones start as fast
+    as they come. An interactive newcomer predicted to wait past the target is admitted (its
+    own queue drains); a batch one is refused, and so is an interactive one once interactive
+    arrivals outrun their starts too, which also fills the batch queue behind them."""
+    clock = Clock()
+    forecast = FakeForecast(wait=2.0)
+    ac = AdmissionController(AdmissionConfig(queue_target_s=0.5), clock, lambda: forecast)
+    flood(ac, clock, priority=10)
+    for i in range(8):
+        clock.now += 0.3
+        assert ac.admit([f"i{i}"], [1], priority=0, blocks=[2]).admitted
+        ac.started(f"i{i}")
+    assert ac.trends.filling(10) and not ac.trends.filling(0)
+    assert not ac.admit(["b"], [1], priority=10, blocks=[2]).admitted
+    assert ac.admit(["i"], [1], priority=0, blocks=[2]).admitted
+    arrived, started = ac.trends.counts(0)
+    assert (arrived, started) == (9, 8)
+    ac2 = AdmissionController(AdmissionConfig(queue_target_s=0.5), clock, lambda: forecast)
+    flood(ac2, clock, priority=0)
+    assert ac2.trends.filling(0) and ac2.trends.filling(10)
+    assert not ac2.admit(["i"], [1], priority=0, blocks=[2]).admitted
 
 
 def test_the_error_margin_learns_per_priority_from_typical_requests_and_stays_under_half():

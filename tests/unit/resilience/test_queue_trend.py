@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from poise.resilience.admission import AdmissionConfig, AdmissionController
-from poise.resilience.queue_trend import QueueTrend, TrendConfig
+from poise.resilience.queue_trend import PriorityTrends, QueueTrend, TrendConfig
 
 
 class Clock:
@@ -188,3 +188,17 @@ def test_admission_serves_a_burst_whose_wait_is_long_and_sheds_a_flood():
     late = [d for d in decisions if not d.admitted]
     assert late and all(d.reason == "overloaded" and d.retry_after_s >= 1 for d in late)
     assert ac.admit(["vip"], [100], priority=0, deadline=clock.now + 600).admitted
+
+
+def test_a_trend_per_priority_any_priority_value_and_quiet_ones_are_forgotten():
+    clock = Clock()
+    trends = PriorityTrends(TrendConfig(), clock)
+    for p in range(40):  # a client may send any priority value
+        trends.of(p).arrival(1, long=False)
+    assert len(trends) > 16  # all were active within the interval: none is dropped
+    clock.now += 6.0
+    trends.of(1000).arrival(1, long=False)
+    assert len(trends) == 1 and trends.counts() == (1, 0)
+    for _ in range(5):  # the worse priority's arrivals outrun its starts
+        trends.of(10).arrival(1, long=True)
+    assert trends.filling(10) and not trends.filling(0) and trends.state == "filling"
