@@ -280,7 +280,9 @@ class AdmissionController:
         long = target is not None and wait + margin > target
         interval = self.mean_start_interval_s
         trend = self.trends.of(priority)
-        trend.arrival(count, long, 1.0 / interval if interval else None)
+        trend.arrival(
+            count, long, 1.0 / interval if interval else None, self.trends.outranked(priority)
+        )
         if deadline is not None and wait >= deadline - self.clock():
             return self._refuse("deadline", wait, wait)
         if (long or big) and not trend.in_burst and self.trends.filling(priority):

@@ -27,6 +27,10 @@ The rules, for a queue whose newcomers are predicted to wait past the target (a 
   coming in the same run, for up to ``burst_max_s``, are not refused for their wait (their own
   deadline still holds). A burst is bounded, so its members are not counted as demand: arrivals
   and starts are both counted from its end, and what follows it is judged on its own.
+- A run that begins while requests of a better priority are coming (over the last interval) is
+  no burst either: this priority gets only what they leave, its start rate says little, and a
+  batch flood's first half second let in fifty requests per replica that then waited out the
+  flood behind the interactive traffic and failed at their deadlines.
 - A run that begins while the queue is filling is no burst: under a flood the queue hovers
   around its target, and an allowance at each crossing would let the flood in by turns.
 - Once a whole priority has been refused for load, a gateway in front holds such requests back
@@ -80,9 +84,13 @@ class QueueTrend:
         self._shedding_until = float("-inf")  # filling, whatever the counts, until then
 
     # ----- what happens -----
-    def arrival(self, count: int, long: bool, service_rate: float | None = None) -> None:
+    def arrival(
+        self, count: int, long: bool, service_rate: float | None = None, outranked: bool = False
+    ) -> None:
         """``count`` requests arrived together; ``long``: they would wait past the target;
-        ``service_rate``: requests started per second while busy, when known."""
+        ``service_rate``: requests started per second while busy, when known; ``outranked``:
+        requests of a better priority are coming too, and this one's start rate is only what
+        they leave (no run that begins now is a burst)."""
         now = self.clock()
         self._prune(now)
         previous, self._last_arrival = self._last_arrival, now
@@ -95,7 +103,7 @@ class QueueTrend:
             self._end_burst(previous)
         if new_run:
             self._run_since, self._run_size = now, 0
-            self._run_calm = not self._filling_at(now)
+            self._run_calm = not outranked and not self._filling_at(now)
         self._run_size += count
         self._dense = self._run_is_dense(now, service_rate)
         self._arrivals.extend([now] * count)
@@ -221,6 +229,10 @@ class PriorityTrends:
 
     def __len__(self) -> int:
         return len(self._trends)
+
+    def outranked(self, priority: int) -> bool:
+        """Requests of a better priority arrived or started over the last interval."""
+        return any(p < priority and any(t.counts()) for p, t in self._trends.items())
 
     def filling(self, priority: int) -> bool:
         return any(t.filling for p, t in self._trends.items() if p <= priority)

@@ -392,3 +392,23 @@ def test_the_error_margin_learns_per_priority_from_typical_requests_and_stays_un
     clock.now += 9.0
     ac.started("huge")
     assert list(ac._errors[0]) == before
+
+
+def test_a_batch_burst_beside_interactive_traffic_gets_no_burst_allowance():
+    """Sixty-four batch requests at once are all taken on an otherwise quiet server (a burst
+    that drains); the same while interactive requests are coming is a flood's first half
+    second: past the slack, those that would wait past the target are refused."""
+    for interactive in (False, True):
+        clock = Clock()
+        forecast = FakeForecast(wait=2.0)
+        ac = AdmissionController(AdmissionConfig(queue_target_s=0.5), clock, lambda: forecast)
+        if interactive:
+            for i in range(4):
+                clock.now += 0.5
+                ac.admit([f"i{i}"], [1], priority=0)
+                ac.started(f"i{i}")
+        admitted = 0
+        for i in range(64):
+            clock.now += 0.001
+            admitted += ac.admit([f"b{i}"], [1], priority=10).admitted
+        assert admitted == (2 if interactive else 64)  # the slack: two more than started
