@@ -332,7 +332,7 @@ class LLMEngine:
         assert budget is not None
         decodes = sum(q.is_decode for q in out.sequences)
         before = budget.reachable
-        budget.observe(decodes, out.num_batched_tokens - decodes, seconds)
+        budget.observe(decodes, out.num_batched_tokens - decodes, seconds, out.leading_decodes)
         if budget.reachable is False and before is not False:
             a, b_d, b_p = budget.line() or (0.0, 0.0, 0.0)
             log.warning(

@@ -125,6 +125,9 @@ class SchedulerOutput:
     preempted_request_ids: list[str] = field(default_factory=list)
     # Requests that ended since the previous output: the runner drops their sampling state.
     finished_request_ids: list[str] = field(default_factory=list)
+    # Decodes of the best priority in the step (None: no user request decodes): what the
+    # running cap is judged on, worse priorities only filling what the step has left.
+    leading_decodes: int | None = None
 
     @property
     def is_empty(self) -> bool:
@@ -225,7 +228,18 @@ class Scheduler:
             num_batched_tokens=self.config.max_num_batched_tokens - budget,
             preempted_request_ids=preempted,
             finished_request_ids=finished,
+            leading_decodes=self._leading_decodes(scheduled),
         )
+
+    def _leading_decodes(self, scheduled: list[ScheduledSequence]) -> int | None:
+        """Decodes of the best priority among the users' requests in the step (a health probe
+        ranks above all and is no one's lead); None when there is none."""
+        requests = [self.requests[s.request_id] for s in scheduled if s.is_decode]
+        priorities = [r.priority for r in requests if not r.is_probe]
+        if not priorities:
+            return None
+        best = min(priorities)
+        return sum(1 for p in priorities if p == best)
 
     def _expire_deadlines(self) -> None:
         now = self.clock()

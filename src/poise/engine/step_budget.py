@@ -101,7 +101,12 @@ class StepBudget:
         # Time that decoding steps left unused (negative: ran over), what a prompt may borrow.
         self.bank_s = 0.0
 
-    def observe(self, decodes: int, prefill_tokens: int, seconds: float) -> None:
+    def observe(
+        self, decodes: int, prefill_tokens: int, seconds: float, leading: int | None = None
+    ) -> None:
+        """A step of ``decodes`` decode tokens and ``prefill_tokens`` prompt tokens took
+        ``seconds``; ``leading``: how many of its decodes were of the best priority (None:
+        all of them), see ``_adjust_cap``."""
         if decodes + prefill_tokens <= 0 or seconds < 0 or not math.isfinite(seconds):
             return
         c = self.config
@@ -134,7 +139,7 @@ class StepBudget:
         self._prompt_seen = max(float(prefill_tokens), d * self._prompt_seen)
         self.steps += 1
         self._fit = None
-        self._adjust_cap(decodes)
+        self._adjust_cap(decodes, decodes if leading is None else min(leading, decodes))
 
     def line(self) -> tuple[float, float, float] | None:
         """(a, b_d, b_p): seconds per step, per decode token, per prompt token; None before
@@ -255,10 +260,10 @@ class StepBudget:
         grow until a prompt crept in at the minimum)."""
         return max(self._prompt_seen, float(self.config.min_tokens))
 
-    def _adjust_cap(self, decodes: int) -> None:
-        """After a step with ``decodes`` running: one more may run while such a step leaves
-        ``prefill_reserve`` prompt tokens, and fewer than ran once it leaves less than
-        ``min_tokens``.
+    def _adjust_cap(self, decodes: int, leading: int) -> None:
+        """After a step with ``decodes`` running, ``leading`` of them of the best priority: one
+        more may run while such a step leaves ``prefill_reserve`` prompt tokens, and fewer
+        than ran once it leaves less than ``min_tokens``.
 
         Judged only where it was measured, never extrapolated: the fit cannot tell a step's
         fixed cost from its per-decode cost when every step had the same number of decodes,
@@ -266,17 +271,22 @@ class StepBudget:
         that ran over says that as many as ran are too many, not one fewer than the cap each
         time: those running still run, and under a flood on a shared machine the cap fell a
         step at a time to one while seventeen ran, and no interactive request started for
-        seconds."""
+        seconds.
+
+        Worse priorities only fill what the leading ones leave of a step (``Scheduler``): a
+        step that had room for some of their decodes had room for one more leading request,
+        whatever its total came to. Judged on the total, a batch flood filling its share held
+        the cap under the interactive requests, and they waited seconds to start."""
         fit = self.line()
         if fit is None or not self.reachable:
             return
         if self._cap is None:
-            self._cap = max(1, decodes)
+            self._cap = max(1, leading)
         c = self.config
-        self._cap_grows = (
+        self._cap_grows = leading < decodes or (
             self._step_s(fit, decodes, c.prefill_reserve, c.reserve_share) <= c.target_s
         )
         if self._cap_grows:
-            self._cap = max(self._cap, decodes + 1)
+            self._cap = max(self._cap, leading + 1)
         elif self._step_s(fit, decodes, c.min_tokens, c.reserve_share / 2) >= c.target_s:
             self._cap = max(1, min(self._cap, decodes - 1))

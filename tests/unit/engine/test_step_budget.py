@@ -232,3 +232,22 @@ def test_large_steps_slowed_at_random_do_not_put_the_budget_out_of_reach():
     for _ in range(5):
         b.observe(1, 0, 0.2)  # now measured: one decode alone takes 200 ms
     assert b.reachable is False and b.max_running() is None
+
+
+def test_the_cap_grows_for_the_leading_priority_while_worse_work_fills_what_it_leaves():
+    """Fourteen interactive decodes and six to nine batch ones filling the rest of each step
+    (a little past the target): judged on the total, the cap does not grow for the
+    interactive requests; judged on the fourteen that lead, the batch work present says
+    there was room, and one more interactive request may start."""
+
+    def run(leading: int | None) -> StepBudget:
+        b = StepBudget(StepBudgetConfig(target_s=0.08))
+        rng = random.Random(5)
+        for _ in range(60):
+            decodes = 14 + rng.randrange(6, 10)
+            b.observe(decodes, 0, 0.03 + 0.0025 * decodes, leading)
+        return b
+
+    assert not run(leading=None).cap_grows
+    led = run(leading=14)
+    assert led.cap_grows and led.max_running() >= 15

@@ -401,7 +401,7 @@ def test_a_batch_burst_beside_interactive_traffic_gets_no_burst_allowance():
     for interactive in (False, True):
         clock = Clock()
         forecast = FakeForecast(wait=2.0)
-        ac = AdmissionController(AdmissionConfig(queue_target_s=0.5), clock, lambda: forecast)
+        ac = AdmissionController(AdmissionConfig(queue_target_s=0.5), clock, lambda f=forecast: f)
         if interactive:
             for i in range(4):
                 clock.now += 0.5
