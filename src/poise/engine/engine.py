@@ -12,6 +12,7 @@ import hashlib
 import json
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -260,6 +261,8 @@ class LLMEngine:
             max_running=self.scheduler.max_running,
             step_time_fit=None if self._step_budget is None else self._step_budget.line(),
             kv=self.scheduler.kv_picture(),
+            running_by_priority=_by_priority(self.scheduler.running),
+            waiting_by_priority=_by_priority(self.scheduler.waiting),
         )
 
     # ----- one step -----
@@ -437,3 +440,7 @@ class LLMEngine:
             first_token_time=tracked.first_token_time,
             finished_time=self.clock() if finished else None,
         )
+
+
+def _by_priority(requests: list[Request]) -> dict[int, int]:
+    return dict(Counter(r.priority for r in requests if not r.is_probe))

@@ -72,3 +72,6 @@ class EngineStats:
     # budget, or not fitted yet.
     step_time_fit: tuple[float, float, float] | None = None
     kv: KVPicture = field(default_factory=KVPicture)
+    # Running and waiting user requests by priority (health probes left out).
+    running_by_priority: dict[int, int] = field(default_factory=dict)
+    waiting_by_priority: dict[int, int] = field(default_factory=dict)

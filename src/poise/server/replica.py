@@ -166,6 +166,8 @@ class Replica:
                 "seconds_since_progress": round(self.clock() - self.engine.last_progress, 3),
                 "has_work": self.engine.has_work,
                 "max_running": stats.max_running,
+                "running_by_priority": stats.running_by_priority,
+                "waiting_by_priority": stats.waiting_by_priority,
                 "step_time_fit_ms": None
                 if stats.step_time_fit is None
                 else dict(
