@@ -244,9 +244,7 @@ class AdmissionController:
             self._enqueue(tickets)
             return Decision(True, None, wait, 0.0)
         if not continuation:
-            refusal = self._judge_wait(
-                wait, len(keys), deadline, priority, self._big(blocks, priority)
-            )
+            refusal = self._judge_wait(tickets, wait, deadline, self._big(blocks, priority))
             if refusal is not None:
                 if refusal.sheds_priority:
                     self.trends.of(priority).shed()
@@ -272,10 +270,11 @@ class AdmissionController:
         return Decision(True, None, wait, 0.0, tuple(t.key for t in shed))
 
     def _judge_wait(
-        self, wait: float, count: int, deadline: float | None, priority: int, big: bool
+        self, tickets: list[Ticket], wait: float, deadline: float | None, big: bool
     ) -> Decision | None:
-        """The refusal a newcomer's predicted wait (and, under a flood, its size: ``big``)
-        earns, if any (see the module's rules)."""
+        """The refusal a newcomer's group (predicted to wait ``wait``; under a flood, ``big``
+        for its size) earns, if any (see the module's rules)."""
+        count, priority = len(tickets), tickets[0].priority
         target = self.config.queue_target_s
         margin = self.wait_error(priority)
         long = target is not None and wait + margin > target
@@ -286,14 +285,32 @@ class AdmissionController:
         )
         if deadline is not None and wait >= deadline - self.clock():
             return self._refuse("deadline", wait, wait)
-        if (long or big) and not trend.in_burst and self.trends.filling(priority):
+        passed = self._passed(priority, max(t.blocks for t in tickets))
+        if (long or big) and not trend.in_burst and self.trends.filling(priority, passed):
             assert target is not None
             if not long:  # its size alone: the flood's largest go first
+                trend.withdraw(count)
                 return replace(self._refuse("overloaded", wait, 1.0), large=True)
             smallest = self.predicted_wait(priority)  # one request, of no blocks
             whole = smallest + margin > target
+            if not whole:  # a smaller request would have been taken
+                trend.withdraw(count)
             return replace(self._refuse("overloaded", wait, wait - target), sheds_priority=whole)
         return None
+
+    def _passed(self, priority: int, own: int) -> int:
+        """Waiting requests of this priority that one of ``own`` blocks would start past: larger
+        than it and short of room in the pool now (the engine starts smaller ones past them).
+        Their arrivals are no queue it joins: long prompts admitted to wait for room on a
+        short KV pool made it look filling, and the short requests beside them were refused."""
+        if self.forecast is None:
+            return 0
+        forecast = self.forecast()
+        return sum(
+            1
+            for t in self.waiting.values()
+            if t.priority == priority and t.blocks > own and not forecast.fits_now(t.blocks)
+        )
 
     def _big(self, blocks: Sequence[int], priority: int) -> bool:
         """Under a flood, to be refused for its size: more than ``BIG_FACTOR`` times the typical

@@ -16,7 +16,8 @@ The rules, for a queue whose newcomers are predicted to wait past the target (a 
   or not) outnumber those that started by more than ``slack`` plus ``margin`` of the starts.
   Only then are newcomers that would wait past the target refused. A queue that drains (a burst
   being served, a closed loop of clients that each send again when answered) is not filling,
-  however long it is.
+  however long it is. A request refused for its own size (a smaller one would have been
+  taken) is withdrawn from the count: it is no demand on the queue the smaller ones join.
 - A **burst** is a run of arrivals, each within ``burst_gap_s`` of the one before, that began
   while arrivals were calm (the queue not filling), at least ``burst_min`` strong and coming
   ``burst_factor`` times faster than the server starts requests or more (any such run while
@@ -112,6 +113,14 @@ class QueueTrend:
             while self._arrivals and self._arrivals[-1] >= self._run_since:
                 self._arrivals.pop()
 
+    def withdraw(self, count: int) -> None:
+        """The last ``count`` arrivals were refused for their own size, not for the queue: a
+        smaller request would have been taken, so they are no demand on the queue the smaller
+        ones join (long prompts refused on a short KV pool made it look filling, and the
+        short requests beside them were refused for waits of half a second)."""
+        for _ in range(min(count, len(self._arrivals))):
+            self._arrivals.pop()
+
     def shed(self) -> None:
         """A whole priority was refused for load: a gateway in front now holds such requests
         back for a moment, and they never arrive here. The demand is there all the same, so
@@ -139,9 +148,14 @@ class QueueTrend:
 
     @property
     def filling(self) -> bool:
+        return self.filling_past(0)
+
+    def filling_past(self, passed: int) -> bool:
+        """Filling for a newcomer that will start past ``passed`` of the requests counted
+        (waiting for room it does not need): their arrivals are left out."""
         now = self.clock()
         self._prune(now)
-        return self._filling_at(now)
+        return now < self._shedding_until or self._exceeds(max(0, len(self._arrivals) - passed))
 
     @property
     def quiet(self) -> bool:
@@ -234,8 +248,14 @@ class PriorityTrends:
         """Requests of a better priority arrived or started over the last interval."""
         return any(p < priority and any(t.counts()) for p, t in self._trends.items())
 
-    def filling(self, priority: int) -> bool:
-        return any(t.filling for p, t in self._trends.items() if p <= priority)
+    def filling(self, priority: int, passed: int = 0) -> bool:
+        """Whether the queue a newcomer of this priority joins fills: its own priority's, left
+        out ``passed`` of its arrivals that it will start past, or a better one's."""
+        return any(
+            t.filling_past(passed if p == priority else 0)
+            for p, t in self._trends.items()
+            if p <= priority
+        )
 
     def counts(self, priority: int | None = None) -> tuple[int, int]:
         """(arrivals, starts) of this priority and better (None: of all) over the last

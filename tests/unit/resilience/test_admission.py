@@ -412,3 +412,51 @@ def test_a_batch_burst_beside_interactive_traffic_gets_no_burst_allowance():
             clock.now += 0.001
             admitted += ac.admit([f"b{i}"], [1], priority=10).admitted
         assert admitted == (2 if interactive else 64)  # the slack: two more than started
+
+
+def test_a_request_refused_for_its_own_size_is_no_demand_on_the_queue():
+    """While the queue fills, a request refused for its size (a smaller one would have been
+    taken) leaves the trend's counts as they were; one refused whatever its size counts."""
+    clock = Clock()
+    forecast = FakeForecast(wait=0.0)
+    forecast.typical_footprint = 2
+    ac = AdmissionController(AdmissionConfig(queue_target_s=0.5), clock, lambda: forecast)
+    flood(ac, clock)
+    before = ac.trends.counts(0)
+    big = ac.admit(["big"], [1], blocks=[10])
+    assert not big.admitted and big.large and ac.trends.counts(0) == before
+    forecast.wait = 2.0  # now any newcomer would wait: the whole priority is refused
+    late = ac.admit(["late"], [1], blocks=[2])
+    assert not late.admitted and late.sheds_priority
+    assert ac.trends.counts(0) == (before[0] + 1, before[1])
+
+
+class ShortPool(FakeForecast):
+    """A short KV pool: a request of more than 5 blocks waits 0.8 s for room, a smaller one
+    0.6 s, one of none 0.3 s."""
+
+    def wait_s(
+        self, position: int, priority: int | None = None, blocks: int = 0, own: int = 0
+    ) -> float:
+        if self.wait == 0.0:
+            return 0.0
+        return 0.8 if own > 5 else (0.6 if own > 0 else 0.3)
+
+
+def test_long_requests_waiting_for_room_do_not_fill_the_queue_short_ones_join():
+    """Four long requests wait for room in a short KV pool (10 blocks each, 5 free): more have
+    arrived than started. A short newcomer, predicted to wait past the target, starts past
+    them (the engine starts smaller ones first), so the queue it joins is not filling and it
+    is admitted; another long one joins theirs and is refused, for its size alone."""
+    clock = Clock()
+    forecast = ShortPool(wait=0.0)
+    ac = AdmissionController(AdmissionConfig(queue_target_s=0.5), clock, lambda: forecast)
+    for i in range(4):
+        clock.now += 0.15  # apart: no burst
+        assert ac.admit([f"long{i}"], [1], blocks=[10]).admitted
+    forecast.wait, forecast.kv_headroom_blocks = 1.0, 5  # the pool is short now
+    assert ac.trends.filling(0)  # four arrived, none started: past the slack of two
+    assert ac.admit(["short"], [1], blocks=[2]).admitted
+    refused = ac.admit(["long4"], [1], blocks=[10])
+    assert not refused.admitted and refused.reason == "overloaded"
+    assert not refused.sheds_priority
