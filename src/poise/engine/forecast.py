@@ -81,9 +81,10 @@ class SlotForecast:
 
     def fits_now(self, blocks: int) -> bool:
         """Whether a request of ``blocks`` fits the headroom now, with what it must leave for
-        others (as the scheduler starts it)."""
+        others, blocks and running slots (as the scheduler starts it)."""
         own = blocks + room_left_for_others(blocks, self.typical_footprint)
-        return own <= self.kv_headroom_blocks
+        crowding = crowds_out(blocks, self.typical_footprint, self.free_slots)
+        return own <= self.kv_headroom_blocks and not crowding
 
     def kv_wait_s(self, blocks: int) -> float:
         """Seconds until the pool has ``blocks`` of headroom, as running requests end."""
@@ -123,6 +124,15 @@ def median_footprint(footprints: Sequence[int]) -> int:
 def room_left_for_others(own: int, typical: int) -> int:
     """Blocks a request of ``own`` blocks must leave free for others when it starts."""
     return ROOM_FOR_OTHERS * typical if typical and own > typical else 0
+
+
+def crowds_out(own: int, typical: int, free_slots: int) -> bool:
+    """Whether a request of ``own`` blocks, more than twice the typical one, would take one of
+    the last ``ROOM_FOR_OTHERS`` running slots under the cap: it waits for more, and smaller
+    requests take those. On a short KV pool the running cap, not the pool, was what ran out:
+    long requests that had waited for room took every slot that came free before the short
+    ones that arrived after them, and those were refused for their waits."""
+    return bool(typical) and own > 2 * typical and free_slots <= ROOM_FOR_OTHERS
 
 
 @dataclass(frozen=True, slots=True)

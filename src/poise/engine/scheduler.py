@@ -36,7 +36,9 @@ usually survive in the prefix cache). It chooses its victims by priority, then b
   meanwhile (a bounded look past it): a request that wants most of the pool waits for room,
   not everyone behind it. And a short request that finds the pool full takes the place of a
   running one of no better priority that wants more than twice its blocks (and more than the
-  typical request): the long one waits, not the short one.
+  typical request): the long one waits, not the short one. Running slots likewise: a request
+  of more than twice the typical footprint does not take one of the last four slots under the
+  cap while smaller ones wait behind it.
 
 A request preempted ``max_preemptions`` times is no longer chosen as a victim, so no request can
 be starved by repeated preemption; only when nothing at all could run is the cap set aside, since
@@ -56,7 +58,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from poise.engine.errors import InvalidRequestError
-from poise.engine.forecast import median_footprint, room_left_for_others
+from poise.engine.forecast import crowds_out, median_footprint, room_left_for_others
 from poise.engine.intake import check_fits
 from poise.engine.kv_cache import KVCacheManager
 from poise.engine.outputs import KVPicture
@@ -469,6 +471,18 @@ class Scheduler:
             ):
                 headroom, typical = self._headroom()
             overdue = self._passed_over_too_long(request, now)
+            if (
+                not overdue
+                and not request.is_probe
+                and self._crowds_out(i, footprint, typical, max_running)
+            ):
+                if request.passed_over_since is None:
+                    request.passed_over_since = now
+                looked_past += 1
+                if looked_past > MAX_LOOK_PAST:
+                    break
+                i += 1  # it waits for more slots; a smaller one behind it takes this one
+                continue
             reserve = 0 if overdue else room_left_for_others(footprint, typical)
             reserve = min(reserve, max(0, self.kv.capacity - footprint))
             fits = request.is_probe or headroom is None or need + reserve <= headroom
@@ -511,6 +525,18 @@ class Scheduler:
             if room is not None:
                 room -= n
         return budget
+
+    def _crowds_out(self, i: int, footprint: int, typical: int, max_running: int) -> bool:
+        """The ``i``-th waiting request, a large one, would take one of the last running slots
+        of its priority while a smaller one waits close behind it (``forecast.crowds_out``)."""
+        request = self.waiting[i]
+        ahead = sum(1 for r in self.running if r.priority <= request.priority)
+        if not crowds_out(footprint, typical, max_running - ahead):
+            return False
+        behind = self.waiting[i + 1 : i + 1 + MAX_LOOK_PAST]
+        return any(
+            not r.is_probe and not crowds_out(self.footprint_blocks(r), typical, 0) for r in behind
+        )
 
     @staticmethod
     def _passed_over_too_long(request: Request, now: float) -> bool:

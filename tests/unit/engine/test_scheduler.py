@@ -418,3 +418,24 @@ def test_a_better_priority_takes_a_worse_ones_seat_when_every_seat_is_taken():
     assert hi.status is RequestStatus.RUNNING
     assert len(out.preempted_request_ids) == 1 and out.preempted_request_ids[0] in ("b0", "b1")
     assert sum(r.status is RequestStatus.RUNNING for r in batch) == 1
+
+
+def test_a_long_request_leaves_the_last_running_slots_to_the_short_ones_behind_it():
+    """Eight slots; four short requests run (3 blocks each). A long one (17 blocks) waits
+    first in line, a short one behind it: taking one of the last four slots, the long one
+    would leave fewer for the short ones, so the short one starts first. Alone in line, or
+    once slots are plenty, the long one starts; both finish."""
+    s, _ = make_scheduler(blocks=256, block_size=4, max_num_seqs=8)
+    shorts = [add(s, f"s{i}", 4, max_tokens=8, first=100 * (i + 1)) for i in range(4)]
+    run_step(s)
+    long = add(s, "long", 8, max_tokens=60, first=900)
+    short = add(s, "short", 4, max_tokens=4, first=990)
+    run_step(s)
+    assert short.status is RequestStatus.RUNNING and long.status is RequestStatus.WAITING
+    run_step(s)
+    assert long.status is RequestStatus.RUNNING  # nobody smaller waits behind it now
+    for _ in range(200):
+        if not s.has_unfinished:
+            break
+        run_step(s)
+    assert all(r.finish_reason == "length" for r in (*shorts, short, long))
