@@ -14,7 +14,7 @@ the step's wall time is modelled as ``a + b_d × decodes + b_p × prompt tokens`
 exponentially weighted least squares over recent steps. The scheduler runs every decode, gives
 prompt chunks what the model says still fits in ``target_s``, and starts a new request only
 while the running set is under a cap that grows by one while steps leave room for a prompt
-chunk and shrinks by one while they do not (see ``Scheduler``): the running set grows only as
+chunk and falls below what ran when they do not (see ``_adjust_cap``): the running set grows only as
 far as the hardware can serve it within the budget; what cannot start waits, and admission
 control refuses it early once the wait is predicted too long.
 
