@@ -448,6 +448,16 @@ class Scheduler:
             if not request.is_probe:
                 if budget <= 0 or (room is not None and room <= 0):
                     break
+                if (
+                    looked_past < MAX_LOOK_PAST
+                    and not self._passed_over_too_long(request, now)
+                    and self._crowds_out(i, max_running, preempted)
+                ):
+                    if request.passed_over_since is None:
+                        request.passed_over_since = now
+                    looked_past += 1
+                    i += 1  # it waits for more slots; a smaller one behind it takes this one
+                    continue
                 if not self._has_slot(request, max_running):
                     victim = self._seat_of(request, max_running)
                     if victim is None:
@@ -471,18 +481,6 @@ class Scheduler:
             ):
                 headroom, typical = self._headroom()
             overdue = self._passed_over_too_long(request, now)
-            if (
-                not overdue
-                and not request.is_probe
-                and self._crowds_out(i, footprint, typical, max_running)
-            ):
-                if request.passed_over_since is None:
-                    request.passed_over_since = now
-                looked_past += 1
-                if looked_past > MAX_LOOK_PAST:
-                    break
-                i += 1  # it waits for more slots; a smaller one behind it takes this one
-                continue
             reserve = 0 if overdue else room_left_for_others(footprint, typical)
             reserve = min(reserve, max(0, self.kv.capacity - footprint))
             fits = request.is_probe or headroom is None or need + reserve <= headroom
@@ -526,16 +524,26 @@ class Scheduler:
                 room -= n
         return budget
 
-    def _crowds_out(self, i: int, footprint: int, typical: int, max_running: int) -> bool:
-        """The ``i``-th waiting request, a large one, would take one of the last running slots
-        of its priority while a smaller one waits close behind it (``forecast.crowds_out``)."""
+    def _crowds_out(self, i: int, max_running: int, preempted: list[str]) -> bool:
+        """The ``i``-th waiting request, one of more than twice the typical running footprint,
+        would take one of the last running slots of its priority while a smaller request of
+        its priority waits close behind it (``forecast.crowds_out``). Not in strict order
+        (``kv_headroom`` off)."""
         request = self.waiting[i]
-        ahead = sum(1 for r in self.running if r.priority <= request.priority)
-        if not crowds_out(footprint, typical, max_running - ahead):
+        if not self.config.kv_headroom or not self.running:
             return False
-        behind = self.waiting[i + 1 : i + 1 + MAX_LOOK_PAST]
+        typical = median_footprint(
+            [self.footprint_blocks(r) for r in self.running if not r.is_probe]
+        )
+        ahead = sum(1 for r in self.running if r.priority <= request.priority)
+        if not crowds_out(self.footprint_blocks(request), typical, max_running - ahead):
+            return False
         return any(
-            not r.is_probe and not crowds_out(self.footprint_blocks(r), typical, 0) for r in behind
+            r.priority == request.priority
+            and not r.is_probe
+            and r.request_id not in preempted
+            and not crowds_out(self.footprint_blocks(r), typical, 0)
+            for r in self.waiting[i + 1 : i + 1 + MAX_LOOK_PAST]
         )
 
     @staticmethod

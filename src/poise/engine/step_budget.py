@@ -186,7 +186,8 @@ class StepBudget:
         budget stood aside: the running set then grew to ``max_num_seqs`` with batch work and
         the interactive requests beside it missed their deadlines. Steps that large say
         nothing of whether one decode fits; the running cap, judged where it is measured,
-        answers them. Back in reach by either measure."""
+        answers them. Back in reach by such steps measured faster than three quarters of the
+        target, or, when none was measured lately, by the fit."""
         fit = self.line()
         if fit is None:
             return None
@@ -283,10 +284,13 @@ class StepBudget:
         if self._cap is None:
             self._cap = max(1, leading)
         c = self.config
-        self._cap_grows = leading < decodes or (
-            self._step_s(fit, decodes, c.prefill_reserve, c.reserve_share) <= c.target_s
-        )
-        if self._cap_grows:
+        if self._step_s(fit, decodes, c.prefill_reserve, c.reserve_share) <= c.target_s:
+            self._cap_grows = True  # room for one more of any priority
+            self._cap = max(self._cap, decodes + 1)
+        elif leading < decodes:
+            self._cap_grows = True  # the worse priorities' share was room for the best
             self._cap = max(self._cap, leading + 1)
-        elif self._step_s(fit, decodes, c.min_tokens, c.reserve_share / 2) >= c.target_s:
-            self._cap = max(1, min(self._cap, decodes - 1))
+        else:
+            self._cap_grows = False
+            if self._step_s(fit, decodes, c.min_tokens, c.reserve_share / 2) >= c.target_s:
+                self._cap = max(1, min(self._cap, decodes - 1))

@@ -88,7 +88,8 @@ class Forecast(Protocol):
         ...
 
     def fits_now(self, blocks: int) -> bool:
-        """Whether a request of ``blocks`` would start now as far as the KV pool goes."""
+        """Whether a request of ``blocks`` would start now as far as the KV pool and the
+        running slots a large request must leave to others go."""
         ...
 
 
@@ -306,10 +307,15 @@ class AdmissionController:
         if self.forecast is None:
             return 0
         forecast = self.forecast()
+        since = self.clock() - self.config.trend.interval_s  # only those the trend counts
         return sum(
             1
             for t in self.waiting.values()
-            if t.priority == priority and t.blocks > own and not forecast.fits_now(t.blocks)
+            if t.priority == priority
+            and t.counted
+            and t.arrival > since
+            and t.blocks > own
+            and not forecast.fits_now(t.blocks)
         )
 
     def _big(self, blocks: Sequence[int], priority: int) -> bool:

@@ -163,12 +163,19 @@ class QueueTrend:
         it loses nothing."""
         now = self.clock()
         self._prune(now)
+        # A burst ends only at its priority's next arrival: long after its last member, it is
+        # over all the same.
+        burst_over = now - self._last_arrival > self.config.burst_max_s
         return (
             not self._arrivals
             and not self._starts
-            and not self._burst
+            and (not self._burst or burst_over)
             and now >= self._shedding_until
         )
+
+    @property
+    def last_arrival(self) -> float:
+        return self._last_arrival
 
     def counts(self) -> tuple[int, int]:
         """(arrivals, starts) counted over the last interval."""
@@ -218,8 +225,10 @@ class QueueTrend:
 
 
 # Trends kept for priorities seen lately; past this many, those that have gone quiet are
-# dropped (a client may send any priority value).
+# dropped (a client may send any priority value), and past the hard bound the one longest
+# without an arrival.
 _MAX_TRENDS = 16
+_HARD_MAX_TRENDS = 256
 
 
 class PriorityTrends:
@@ -238,6 +247,8 @@ class PriorityTrends:
             if len(self._trends) >= _MAX_TRENDS:
                 for p in [p for p, t in self._trends.items() if t.quiet]:
                     del self._trends[p]
+            if len(self._trends) >= _HARD_MAX_TRENDS:
+                del self._trends[min(self._trends, key=lambda p: self._trends[p].last_arrival)]
             trend = self._trends[priority] = QueueTrend(self.config, self.clock)
         return trend
 

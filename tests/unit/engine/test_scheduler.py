@@ -439,3 +439,16 @@ def test_a_long_request_leaves_the_last_running_slots_to_the_short_ones_behind_i
             break
         run_step(s)
     assert all(r.finish_reason == "length" for r in (*shorts, short, long))
+
+
+def test_a_long_request_is_not_held_back_for_a_worse_prioritys_short_one():
+    """As above, but the short request behind the long one is batch work: it could not take
+    the slot before the long one anyway, so the long one starts."""
+    s, _ = make_scheduler(blocks=256, block_size=4, max_num_seqs=8)
+    for i in range(4):
+        add(s, f"s{i}", 4, max_tokens=8, first=100 * (i + 1))
+    run_step(s)
+    long = add(s, "long", 8, max_tokens=60, first=900)
+    add(s, "batch", 4, max_tokens=4, priority=10, first=990)
+    out = run_step(s)
+    assert long.status is RequestStatus.RUNNING and not out.preempted_request_ids

@@ -251,3 +251,15 @@ def test_the_cap_grows_for_the_leading_priority_while_worse_work_fills_what_it_l
     assert not run(leading=None).cap_grows
     led = run(leading=14)
     assert led.cap_grows and led.max_running() >= 15
+
+
+def test_with_worse_work_in_the_steps_the_cap_still_grows_for_everyone_where_there_is_room():
+    """Two interactive and twenty batch decodes at 32 ms against an 80 ms target: the steps
+    leave room, so the cap follows the whole running set, not the two that lead (the batch
+    requests count every running request against it)."""
+    b = StepBudget(StepBudgetConfig(target_s=0.08))
+    rng = random.Random(7)
+    for _ in range(60):
+        decodes = 2 + rng.randrange(16, 22)
+        b.observe(decodes, 0, 0.01 + 0.001 * decodes, leading=2)
+    assert b.max_running() >= 22

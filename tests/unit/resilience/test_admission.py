@@ -447,7 +447,8 @@ def test_long_requests_waiting_for_room_do_not_fill_the_queue_short_ones_join():
     """Four long requests wait for room in a short KV pool (10 blocks each, 5 free): more have
     arrived than started. A short newcomer, predicted to wait past the target, starts past
     them (the engine starts smaller ones first), so the queue it joins is not filling and it
-    is admitted; another long one joins theirs and is refused, for its size alone."""
+    is admitted; another long one joins theirs and is refused for its wait, which a smaller
+    request would not have had (the priority is not shed)."""
     clock = Clock()
     forecast = ShortPool(wait=0.0)
     ac = AdmissionController(AdmissionConfig(queue_target_s=0.5), clock, lambda: forecast)

@@ -193,12 +193,17 @@ def test_admission_serves_a_burst_whose_wait_is_long_and_sheds_a_flood():
 def test_a_trend_per_priority_any_priority_value_and_quiet_ones_are_forgotten():
     clock = Clock()
     trends = PriorityTrends(TrendConfig(), clock)
-    for p in range(40):  # a client may send any priority value
-        trends.of(p).arrival(1, long=False)
-    assert len(trends) > 16  # all were active within the interval: none is dropped
+    for p in range(40):  # a client may send any priority value, each a burst of eight
+        for _ in range(8):
+            clock.now += 0.001
+            trends.of(p).arrival(1, long=False)
+    assert len(trends) == 40  # all were active within the interval: none is dropped
     clock.now += 6.0
     trends.of(1000).arrival(1, long=False)
-    assert len(trends) == 1 and trends.counts() == (1, 0)
+    assert len(trends) == 1 and trends.counts() == (1, 0)  # bursts long over are quiet too
+    for p in range(2000):  # all active at once: a hard bound holds all the same
+        trends.of(-p).arrival(1, long=False)
+    assert len(trends) <= 256
     for _ in range(5):  # the worse priority's arrivals outrun its starts
         trends.of(10).arrival(1, long=True)
     assert trends.filling(10) and not trends.filling(0) and trends.state == "filling"
