@@ -35,8 +35,11 @@ The rules, for a queue whose newcomers are predicted to wait past the target (a 
 - A run that begins while the queue is filling is no burst: under a flood the queue hovers
   around its target, and an allowance at each crossing would let the flood in by turns.
 - Once a whole priority has been refused for load, a gateway in front holds such requests back
-  for a moment (they never arrive): the queue then counts as filling for an interval whatever
-  the counts say (``shed``).
+  for a moment (they never arrive): the queue then counts as filling for ``shed_s`` whatever
+  the counts say (``shed``), a few of the gateway's holds; under a flood the next refusal
+  renews it. (Held for a whole interval, one marginal refusal after a flood renewed itself:
+  each refused the next interactive request that would wait a little past the target, while
+  as many started as arrived.)
 
 No library counts this: rate limiters bound arrivals alone, and CoDel implementations act on
 packets' sojourn times. Pure, with the clock injected.
@@ -58,11 +61,12 @@ class TrendConfig:
     burst_min: int = 8  # ... at least this many of them ...
     burst_factor: float = 5.0  # ... this many times faster than requests start, or more ...
     burst_max_s: float = 0.5  # ... and its members come within this long of its first
+    shed_s: float = 1.0  # after a whole priority is refused, filling for this long
 
     def __post_init__(self) -> None:
-        if self.interval_s <= 0 or self.burst_gap_s < 0 or self.burst_max_s < 0:
+        if self.interval_s <= 0 or self.burst_gap_s < 0 or self.burst_max_s < 0 or self.shed_s < 0:
             raise ValueError(
-                "interval_s must be positive, burst_gap_s and burst_max_s not negative"
+                "interval_s must be positive, burst_gap_s, burst_max_s and shed_s not negative"
             )
         if self.margin < 0 or self.slack < 0 or self.burst_min < 1 or self.burst_factor < 0:
             raise ValueError("margin, slack, burst_factor >= 0 and burst_min >= 1")
@@ -124,8 +128,8 @@ class QueueTrend:
     def shed(self) -> None:
         """A whole priority was refused for load: a gateway in front now holds such requests
         back for a moment, and they never arrive here. The demand is there all the same, so
-        the queue counts as filling for an interval, and no run is a burst meanwhile."""
-        self._shedding_until = self.clock() + self.config.interval_s
+        the queue counts as filling for ``shed_s``, and no run is a burst meanwhile."""
+        self._shedding_until = self.clock() + self.config.shed_s
 
     def start(self) -> None:
         """A waiting request started."""

@@ -207,3 +207,20 @@ def test_a_trend_per_priority_any_priority_value_and_quiet_ones_are_forgotten():
     for _ in range(5):  # the worse priority's arrivals outrun its starts
         trends.of(10).arrival(1, long=True)
     assert trends.filling(10) and not trends.filling(0) and trends.state == "filling"
+
+
+def test_a_shed_holds_the_queue_filling_for_a_moment_not_an_interval():
+    """After a whole priority is refused, the queue counts as filling for ``shed_s`` whatever
+    the counts say (a gateway holds the priority back meanwhile); then the counts decide again,
+    so one marginal refusal does not renew itself for an interval."""
+    clock = Clock()
+    trend = QueueTrend(TrendConfig(), clock)
+    for _ in range(6):  # as many start as arrive
+        clock.now += 0.5
+        trend.arrival(1, long=True)
+        trend.start()
+    assert not trend.filling
+    trend.shed()
+    assert trend.filling
+    clock.now += 1.1
+    assert not trend.filling
