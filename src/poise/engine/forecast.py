@@ -126,13 +126,18 @@ def room_left_for_others(own: int, typical: int) -> int:
     return ROOM_FOR_OTHERS * typical if typical and own > typical else 0
 
 
+def is_large(own: int, typical: int) -> bool:
+    """More than twice the typical running request's footprint (none is while none run)."""
+    return bool(typical) and own > 2 * typical
+
+
 def crowds_out(own: int, typical: int, free_slots: int) -> bool:
     """Whether a request of ``own`` blocks, more than twice the typical one, would take one of
     the last ``ROOM_FOR_OTHERS`` running slots under the cap: it waits for more, and smaller
     requests take those. On a short KV pool the running cap, not the pool, was what ran out:
     long requests that had waited for room took every slot that came free before the short
     ones that arrived after them, and those were refused for their waits."""
-    return bool(typical) and own > 2 * typical and free_slots <= ROOM_FOR_OTHERS
+    return is_large(own, typical) and free_slots <= ROOM_FOR_OTHERS
 
 
 @dataclass(frozen=True, slots=True)

@@ -58,7 +58,12 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from poise.engine.errors import InvalidRequestError
-from poise.engine.forecast import crowds_out, median_footprint, room_left_for_others
+from poise.engine.forecast import (
+    crowds_out,
+    is_large,
+    median_footprint,
+    room_left_for_others,
+)
 from poise.engine.intake import check_fits
 from poise.engine.kv_cache import KVCacheManager
 from poise.engine.outputs import KVPicture
@@ -331,7 +336,7 @@ class Scheduler:
         best = self._best_priority()
         if best is None:
             return set(), None
-        slots = self.max_running - sum(1 for r in self.running if r.priority <= best)
+        slots = self.max_running - self._ahead(best)
         starting = [r for r in self.waiting if r.priority == best and not r.is_probe][
             : max(0, slots)
         ]
@@ -535,14 +540,14 @@ class Scheduler:
         typical = median_footprint(
             [self.footprint_blocks(r) for r in self.running if not r.is_probe]
         )
-        ahead = sum(1 for r in self.running if r.priority <= request.priority)
+        ahead = self._ahead(request.priority)
         if not crowds_out(self.footprint_blocks(request), typical, max_running - ahead):
             return False
         return any(
             r.priority == request.priority
             and not r.is_probe
             and r.request_id not in preempted
-            and not crowds_out(self.footprint_blocks(r), typical, 0)
+            and not is_large(self.footprint_blocks(r), typical)
             for r in self.waiting[i + 1 : i + 1 + MAX_LOOK_PAST]
         )
 
@@ -589,7 +594,7 @@ class Scheduler:
         """Whom ``request`` may take the seat of when the running set is full in all
         (``max_num_seqs``) though not for its priority: a worse-priority request, preempted."""
         full = len(self.running) >= self.config.max_num_seqs
-        ahead = sum(1 for r in self.running if r.priority <= request.priority)
+        ahead = self._ahead(request.priority)
         return self._priority_victim(request) if full and ahead < max_running else None
 
     def _headroom(self) -> tuple[int, int]:
@@ -600,13 +605,17 @@ class Scheduler:
         typical = median_footprint([f for f, _ in footprints])
         return self.kv.num_free_blocks - owed, typical
 
+    def _ahead(self, priority: int) -> int:
+        """Running requests of this priority or better: what the running cap counts for it."""
+        return sum(1 for r in self.running if r.priority <= priority)
+
     def _has_slot(self, request: Request, max_running: int) -> bool:
         """A slot under the cap, counting only running requests of a priority at least as good
         (worse ones give way: they sit out steps, see ``_pause_lower_priorities``), and one
         under ``max_num_seqs`` in all (what the engine is sized for)."""
         if len(self.running) >= self.config.max_num_seqs:
             return False
-        ahead = sum(1 for r in self.running if r.priority <= request.priority)
+        ahead = self._ahead(request.priority)
         return ahead < max_running
 
     @staticmethod

@@ -159,7 +159,7 @@ class QueueTrend:
         (waiting for room it does not need): their arrivals are left out."""
         now = self.clock()
         self._prune(now)
-        return now < self._shedding_until or self._exceeds(max(0, len(self._arrivals) - passed))
+        return self._filling_at(now, passed)
 
     @property
     def quiet(self) -> bool:
@@ -213,8 +213,8 @@ class QueueTrend:
     def _counted_starts(self) -> int:
         return sum(1 for t in self._starts if t > self._counted_from)
 
-    def _filling_at(self, now: float) -> bool:
-        return now < self._shedding_until or self._exceeds(len(self._arrivals))
+    def _filling_at(self, now: float, passed: int = 0) -> bool:
+        return now < self._shedding_until or self._exceeds(max(0, len(self._arrivals) - passed))
 
     def _exceeds(self, arrivals: int) -> bool:
         c = self.config
