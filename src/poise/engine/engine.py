@@ -319,6 +319,7 @@ class LLMEngine:
                     r.num_prompt_tokens,
                     self.kv.num_held_blocks(r.request_id),
                     r.runs_to_max_tokens,
+                    r.num_preemptions < self.scheduler.config.max_preemptions,
                 )
                 for r in self.scheduler.running
                 if not r.is_probe

@@ -45,8 +45,9 @@ class SlotForecast:
     running_priorities: tuple[int, ...] = ()  # of the running requests; ascending
     block_size: int = 16
     kv_headroom_blocks: int = 1 << 30  # free blocks less what the running will still take
-    # (steps until it ends, blocks it then gives back) per running request; by steps.
-    kv_releases: tuple[tuple[int, int], ...] = ()
+    # Per running request, by steps: when it ends and what it gives back, and who may take
+    # its blocks before then (``KVRelease``).
+    kv_releases: tuple[KVRelease, ...] = ()
     typical_output: int | None = None  # tokens a request produces, as seen so far
     typical_footprint: int = 0  # the median footprint of the running requests, in blocks
 
@@ -56,7 +57,8 @@ class SlotForecast:
         """Seconds until the ``position``-th request in line (1 = next) of ``priority`` gets a
         running slot, and the KV blocks of ``blocks`` (its own, ``own``, and those ahead of it)
         fit, with what a request larger than the typical one leaves for the others."""
-        kv = self.kv_wait_s(blocks + room_left_for_others(own, self.typical_footprint))
+        need = blocks + room_left_for_others(own, self.typical_footprint)
+        kv = self.kv_wait_s(need, priority, own)
         return max(self._slot_wait_s(position, priority), kv)
 
     def _slot_wait_s(self, position: int, priority: int | None) -> float:
@@ -86,14 +88,25 @@ class SlotForecast:
         crowding = crowds_out(blocks, self.typical_footprint, self.free_slots)
         return own <= self.kv_headroom_blocks and not crowding
 
-    def kv_wait_s(self, blocks: int) -> float:
-        """Seconds until the pool has ``blocks`` of headroom, as running requests end."""
+    def kv_wait_s(self, blocks: int, priority: int | None = None, own: int = 0) -> float:
+        """Seconds until the pool has ``blocks`` of headroom, as running requests end; for a
+        request of ``priority`` and ``own`` blocks, the blocks of those the scheduler would
+        preempt for it (``KVRelease.yields_to``) are room now."""
         room = self.kv_headroom_blocks
         if blocks <= room:
             return 0.0
+        later: list[KVRelease] = []
+        for release in self.kv_releases:
+            if priority is not None and release.yields_to(priority, own, self.typical_footprint):
+                room += release.blocks
+            else:
+                later.append(release)
+        if blocks <= room:
+            return 0.0
         steps = 0
-        for steps, freed in self.kv_releases:
-            room += freed
+        for release in later:
+            steps = release.steps
+            room += release.blocks
             if blocks <= room:
                 return steps * self.step_s
         # Past every release the pool turns over once per typical cycle.
@@ -108,6 +121,28 @@ class SlotForecast:
         if self.typical_output is not None and not exact:
             output = min(max_tokens, self.typical_output)
         return -(-(prompt_tokens + max(1, output)) // self.block_size)
+
+
+@dataclass(frozen=True, slots=True)
+class KVRelease:
+    """A running request as the pool sees it: in ``steps`` it ends and gives back ``blocks``
+    (its footprint, or what it holds if more); until then the scheduler preempts it for a
+    waiting request of a better priority, or of its own that is less than half its size while
+    it is larger than the typical request (``scheduler._victims_for``), unless it has been
+    preempted as often as it may be (``preemptible`` False)."""
+
+    steps: int
+    blocks: int
+    priority: int = 0
+    footprint: int = 0
+    preemptible: bool = True
+
+    def yields_to(self, priority: int, own: int, typical: int) -> bool:
+        if not self.preemptible:
+            return False
+        if self.priority > priority:
+            return True
+        return self.priority == priority and own > 0 and self.footprint > max(2 * own, typical)
 
 
 # A request larger than the typical running one starts only where it leaves room for this
@@ -150,6 +185,7 @@ class Running:
     prompt_tokens: int = 0
     held_blocks: int = 0  # KV blocks its table holds now
     exact: bool = False  # it runs to max_tokens: its length is known, not typical
+    preemptible: bool = True  # not yet preempted as often as it may be
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,7 +245,11 @@ class SlotForecaster:
                 footprint = -(-(r.prompt_tokens + r.produced + left) // pool.block_size)
                 footprints.append(footprint)
                 owed += max(0, footprint - r.held_blocks)
-                releases.append((left, max(footprint, r.held_blocks)))
+                releases.append(
+                    KVRelease(
+                        left, max(footprint, r.held_blocks), r.priority, footprint, r.preemptible
+                    )
+                )
         steps.sort()
         cap = min(self.max_num_seqs, max_running or self.max_num_seqs)
         return SlotForecast(
@@ -226,7 +266,7 @@ class SlotForecaster:
             running_priorities=tuple(sorted(priorities)),
             block_size=16 if pool is None else pool.block_size,
             kv_headroom_blocks=1 << 30 if pool is None else pool.free_blocks - owed,
-            kv_releases=tuple(sorted(releases)),
+            kv_releases=tuple(sorted(releases, key=lambda k: k.steps)),
             typical_output=None if typical is None else round(typical),
             typical_footprint=median_footprint(footprints),
         )

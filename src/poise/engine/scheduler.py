@@ -444,6 +444,8 @@ class Scheduler:
         i = looked_past = 0
         headroom: int | None = None  # blocks free once the running have grown: while any run
         typical = 0  # the median running footprint
+        # The smallest footprint passed over in this step: one at least as large waits too.
+        passed_floor: int | None = None
         now = self.clock()
         while i < len(self.waiting):
             request = self.waiting[i]
@@ -453,14 +455,28 @@ class Scheduler:
             if not request.is_probe:
                 if budget <= 0 or (room is not None and room <= 0):
                     break
+                overdue = self._passed_over_too_long(request, now)
+                if (
+                    passed_floor is not None
+                    and not overdue
+                    and self.footprint_blocks(request) >= passed_floor
+                ):
+                    # Passed over like the smaller one before it, at no cost to the look-past
+                    # bound: a row of long requests waiting for room does not hide the short
+                    # ones behind it (the bound counts attempts, and this is none).
+                    if request.passed_over_since is None:
+                        request.passed_over_since = now
+                    i += 1
+                    continue
                 if (
                     looked_past < MAX_LOOK_PAST
-                    and not self._passed_over_too_long(request, now)
+                    and not overdue
                     and self._crowds_out(i, max_running, preempted)
                 ):
                     if request.passed_over_since is None:
                         request.passed_over_since = now
                     looked_past += 1
+                    passed_floor = _smaller(passed_floor, self.footprint_blocks(request))
                     i += 1  # it waits for more slots; a smaller one behind it takes this one
                     continue
                 if not self._has_slot(request, max_running):
@@ -510,6 +526,7 @@ class Scheduler:
                 looked_past += 1
                 if overdue or looked_past > MAX_LOOK_PAST:
                     break  # nobody overtakes one passed over for too long: room comes to it
+                passed_floor = _smaller(passed_floor, footprint)
                 i += 1  # it waits for room; a smaller one behind it may fit
                 continue
             request.passed_over_since = None
@@ -670,3 +687,7 @@ class Scheduler:
             if stop is not None:
                 self._finish(request, stop)
         return advanced
+
+
+def _smaller(floor: int | None, footprint: int) -> int:
+    return footprint if floor is None else min(floor, footprint)

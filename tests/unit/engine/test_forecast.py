@@ -117,6 +117,33 @@ def test_a_request_that_wants_more_blocks_than_the_pool_has_waits_for_releases()
     assert f.forecast(running).kv_wait_s(10_000) == 0.0
 
 
+def test_the_blocks_of_a_request_the_scheduler_would_preempt_are_room_now() -> None:
+    """16-token blocks, 12 free. Three short requests (2 blocks each, all held) and a long
+    one of 25 blocks (20 held, 5 owed) run: 7 blocks of headroom, and the long one ends in 190
+    steps. A short newcomer of its priority that needs 10 blocks does not wait for it: the
+    scheduler would take its place (more than twice the newcomer's and the typical size). A
+    newcomer of its own size does wait, and so does anyone when it may be preempted no more;
+    a better priority takes the place of a worse one whatever their sizes."""
+    f = SlotForecaster(max_num_seqs=8)
+    f.observe_step(0.01)
+    pool = PoolView(free_blocks=12, block_size=16)
+    shorts = [Running(2, 8, prompt_tokens=16, held_blocks=2, exact=True)] * 3
+
+    def long(priority: int = 0, preemptible: bool = True) -> Running:
+        return Running(10, 200, priority, 200, 20, exact=True, preemptible=preemptible)
+
+    fc = f.forecast([*shorts, long()], pool=pool)
+    assert fc.kv_headroom_blocks == 7
+    assert fc.kv_wait_s(10, priority=0, own=2) == 0.0
+    assert fc.wait_s(1, 0, blocks=10, own=2) == 0.0
+    assert fc.kv_wait_s(10, priority=0, own=25) > 0  # of its size: waits for room
+    assert fc.kv_wait_s(10) > 0  # nobody's own size told: no preemption counted
+    protected = f.forecast([*shorts, long(preemptible=False)], pool=pool)
+    assert protected.kv_wait_s(10, priority=0, own=2) > 0
+    batch = f.forecast([*shorts, long(priority=10)], pool=pool)
+    assert batch.kv_wait_s(30, priority=0, own=25) == 0.0
+
+
 def test_the_typical_output_tempers_a_footprint() -> None:
     f = SlotForecaster(max_num_seqs=1)
     for _ in range(50):

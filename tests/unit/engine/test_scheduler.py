@@ -315,6 +315,20 @@ def test_a_request_that_cannot_get_its_blocks_lets_smaller_ones_behind_it_start(
     assert small.status is RequestStatus.RUNNING
 
 
+def test_a_row_of_requests_waiting_for_room_does_not_hide_a_small_one_behind_it():
+    """As above, but a dozen requests of 6 blocks wait for room ahead of the small one, more
+    than the scheduler tries past in a step: the small one still starts in the next step."""
+    s, _ = make_scheduler(blocks=14, block_size=4)
+    add(s, "running", 12, max_tokens=30)
+    for _ in range(17):
+        run_step(s)
+    bigs = [add(s, f"big{i}", 20, max_tokens=2, first=100 * (i + 1)) for i in range(12)]
+    small = add(s, "small", 4, max_tokens=2, first=5000)
+    run_step(s)
+    assert all(b.status is RequestStatus.WAITING for b in bigs)
+    assert small.status is RequestStatus.RUNNING
+
+
 def test_a_request_does_not_start_where_it_could_not_finish_without_a_preemption():
     """The pool would hold both prompts, not both answers: the second waits for the first to
     end rather than start, grow, and have its work thrown away."""
