@@ -466,3 +466,58 @@ def test_a_long_request_is_not_held_back_for_a_worse_prioritys_short_one():
     add(s, "batch", 4, max_tokens=4, priority=10, first=990)
     out = run_step(s)
     assert long.status is RequestStatus.RUNNING and not out.preempted_request_ids
+
+
+def test_a_short_prompt_is_not_held_behind_a_long_prompts_chunks():
+    """Three decodes fill a tight time budget; a long prompt (64 tokens) is being computed a
+    block a step. A short prompt (4 tokens) arrives: it starts in the long one's room at once
+    and its first token comes in that step, not after the long prompt's dozen more steps. The
+    long one loses that step and no more, and finishes."""
+    s, _ = make_scheduler(blocks=256, block_size=4, max_num_batched_tokens=64)
+    s.time_budget = FixedStepBudget(tokens=4, cap=8)
+    for i in range(3):
+        add(s, f"d{i}", 4, max_tokens=100, first=1000 * (i + 1))
+    for _ in range(4):
+        run_step(s)
+    long = add(s, "long", 64, max_tokens=4, first=5000)
+    run_step(s)
+    assert long.status is RequestStatus.RUNNING and 0 < long.num_computed_tokens < 64
+    computed = long.num_computed_tokens
+    short = add(s, "short", 4, max_tokens=4, first=7000)
+    out = run_step(s)
+    assert short.status is RequestStatus.RUNNING and len(short.output_token_ids) == 1
+    assert "long" not in {q.request_id for q in out.sequences}
+    assert long.num_computed_tokens == computed
+    for _ in range(40):
+        run_step(s)
+    assert long.num_computed_tokens >= 64 and len(long.output_token_ids) >= 1
+
+
+def test_running_prompts_share_a_tight_step_shortest_first():
+    """A long prompt is mid-way under a budget of one block a step; a short one starts in its
+    room and, running beside it, keeps going first until its prompt is done."""
+    s, _ = make_scheduler(blocks=256, block_size=4, max_num_batched_tokens=64)
+    s.time_budget = FixedStepBudget(tokens=4, cap=8)
+    long = add(s, "long", 40, max_tokens=2)
+    assert [q.request_id for q in run_step(s).sequences] == ["long"]
+    short = add(s, "short", 8, max_tokens=2, first=500)
+    for _ in range(2):
+        out = run_step(s)
+        assert [q.request_id for q in out.sequences] == ["short"]
+    assert len(short.output_token_ids) == 1 and long.num_computed_tokens == 4
+
+
+def test_a_newcomer_without_a_slot_takes_no_prompts_room():
+    """The running cap is full: a short prompt arriving waits for a slot, and the long prompt
+    being computed keeps its room every step."""
+    s, _ = make_scheduler(blocks=256, block_size=4, max_num_batched_tokens=64)
+    s.time_budget = FixedStepBudget(tokens=4, cap=2)
+    add(s, "d", 4, max_tokens=100)
+    run_step(s)
+    long = add(s, "long", 40, max_tokens=2, first=500)
+    run_step(s)
+    add(s, "short", 4, max_tokens=2, first=900)
+    for _ in range(3):
+        before = long.num_computed_tokens
+        run_step(s)
+        assert long.num_computed_tokens > before
