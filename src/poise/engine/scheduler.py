@@ -9,11 +9,7 @@ A step may also have a time budget (``time_budget``, the engine's ``StepBudget``
 running request's decode token is in, prompt chunks share what the budget says still fits (at
 least a block's worth, so that a prompt always progresses), and a new request starts only while
 that leaves room and the running set is under the budget's cap: the running set grows only as
-far as a step can serve it within its time. Prompt chunks go to the prompts with the fewest
-tokens left first, and a newcomer shorter than what a running prompt has left may take that
-prompt's chunk when no room is left: a long prompt does not hold every short one's first token
-for the steps it takes (as vLLM's ``max_long_partial_prefills`` lets short prompts jump long
-ones).
+far as a step can serve it within its time.
 
 Running requests are served first, best (priority, arrival) first. Preemption frees a running
 request's blocks and sends it back to the waiting queue to be recomputed later (its full blocks
@@ -286,11 +282,6 @@ class Scheduler:
         if prefill_room is not None:
             prefill_room = max(prefill_room, self.kv.block_size)
         best = self._best_priority() or 0
-        grants = (
-            None
-            if prefill_room is None
-            else self._prefill_grants(paused, prefill_room, lower_room, best)
-        )
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
@@ -299,11 +290,16 @@ class Scheduler:
                 i += 1
                 continue
             n = min(left, budget)
-            if grants is not None and left > 1:
-                n = min(n, grants.get(request.request_id, 0))
+            if prefill_room is not None and left > 1:
+                n = min(n, prefill_room)
+                if request.priority > best and lower_room is not None:
+                    n = min(n, lower_room)
                 if n <= 0:
                     i += 1
                     continue
+                prefill_room -= n
+                if request.priority > best and lower_room is not None:
+                    lower_room -= n
             admitted = True
             while not self.kv.allocate_slots(request, n):
                 victim = self._pick_victim(request)
@@ -325,34 +321,6 @@ class Scheduler:
             budget -= n
             i += 1
         return scheduled, budget, paused
-
-    def _prefill_grants(
-        self, paused: set[str], room: int, lower_room: int | None, best: int
-    ) -> dict[str, int]:
-        """Prompt tokens each running prefill may compute in a step with ``room`` of them (of
-        which ``lower_room`` for priorities worse than ``best``): by priority, then the fewest
-        left first. A short prompt's first token is not held behind a long prompt's chunks:
-        the long one, started first, would otherwise take the room of every step until done,
-        and no short one behind it could start or finish its prompt meanwhile."""
-        grants: dict[str, int] = {}
-        prefilling = sorted(
-            (r for r in self.running if r.num_uncomputed_tokens > 1 and r.request_id not in paused),
-            key=lambda r: (r.priority, r.num_uncomputed_tokens, r.arrival_time),
-        )
-        for r in prefilling:
-            n = min(r.num_uncomputed_tokens, room)
-            lower = r.priority > best and lower_room is not None
-            if lower:
-                assert lower_room is not None
-                n = min(n, lower_room)
-            if n <= 0:
-                continue
-            grants[r.request_id] = n
-            room -= n
-            if lower:
-                assert lower_room is not None
-                lower_room -= n
-        return grants
 
     def _pause_lower_priorities(self) -> tuple[set[str], int | None]:
         """Which decoding requests of a worse priority than the best running sit this step out,
@@ -484,11 +452,8 @@ class Scheduler:
             if request.request_id in preempted:
                 i += 1  # it gave its place up in this step: not back in the same one
                 continue
-            # Out of room, it may still start in a longer prompt's chunk (``_chunk_to_yield``),
-            # where it can start without anyone's seat or blocks taken for it.
-            out_of_room = budget <= 0 or (room is not None and room <= 0)
             if not request.is_probe:
-                if out_of_room and self._chunk_to_yield(scheduled, request) is None:
+                if budget <= 0 or (room is not None and room <= 0):
                     break
                 overdue = self._passed_over_too_long(request, now)
                 if (
@@ -515,7 +480,7 @@ class Scheduler:
                     i += 1  # it waits for more slots; a smaller one behind it takes this one
                     continue
                 if not self._has_slot(request, max_running):
-                    victim = None if out_of_room else self._seat_of(request, max_running)
+                    victim = self._seat_of(request, max_running)
                     if victim is None:
                         break
                     self._preempt(victim, preempted)
@@ -540,15 +505,6 @@ class Scheduler:
             reserve = 0 if overdue else room_left_for_others(footprint, typical)
             reserve = min(reserve, max(0, self.kv.capacity - footprint))
             fits = request.is_probe or headroom is None or need + reserve <= headroom
-            if out_of_room and not request.is_probe:
-                chunk = self._chunk_to_yield(scheduled, request)
-                if not fits or chunk is None:
-                    break
-                # The step was to compute that chunk: as many of this prompt's tokens instead.
-                freed = self._unschedule(scheduled, chunk)
-                budget = max(0, budget) + freed
-                room = None if room is None else max(0, room) + freed
-                n = min(left, budget, room if room is not None else left)
             if not fits or not self.kv.allocate_slots(request, n, hits):
                 if request.is_probe:
                     break  # a probe waits for blocks; it takes nobody's
@@ -589,25 +545,6 @@ class Scheduler:
             if room is not None:
                 room -= n
         return budget
-
-    def _chunk_to_yield(self, scheduled: list[ScheduledSequence], request: Request) -> str | None:
-        """Whose prompt chunk in this step ``request`` may take the room of, when none is left
-        for it: a running request of no better priority with more of its prompt left than
-        ``request``'s whole one, the most left first (shortest prompt first, as among the
-        running ones: ``_prefill_grants``); None when there is none."""
-        chunks = [
-            (self.requests[q.request_id], q)
-            for q in scheduled
-            if not q.is_decode and q.request_id in self.requests
-        ]
-        candidates = [
-            (r.num_uncomputed_tokens, r.request_id)
-            for r, q in chunks
-            if r.priority >= request.priority
-            and not r.is_probe
-            and r.num_uncomputed_tokens > request.num_tokens
-        ]
-        return max(candidates)[1] if candidates else None
 
     def _crowds_out(self, i: int, max_running: int, preempted: list[str]) -> bool:
         """The ``i``-th waiting request, one of more than twice the typical running footprint,
