@@ -50,6 +50,9 @@ class SlotForecast:
     kv_releases: tuple[KVRelease, ...] = ()
     typical_output: int | None = None  # tokens a request produces, as seen so far
     typical_footprint: int = 0  # the median footprint of the running requests, in blocks
+    # Whether the scheduler preempts running requests to make a newcomer room (its headroom
+    # rule; optimistic admission takes at most one worse one: not counted as room here).
+    preempts_for_room: bool = True
 
     def wait_s(
         self, position: int, priority: int | None = None, blocks: int = 0, own: int = 0
@@ -96,8 +99,9 @@ class SlotForecast:
         if blocks <= room:
             return 0.0
         later: list[KVRelease] = []
+        yields = priority is not None and self.preempts_for_room
         for release in self.kv_releases:
-            if priority is not None and release.yields_to(priority, own, self.typical_footprint):
+            if yields and release.yields_to(priority or 0, own, self.typical_footprint):
                 room += release.blocks
             else:
                 later.append(release)
@@ -223,11 +227,13 @@ class SlotForecaster:
         max_running: int | None = None,
         cap_grows: bool = False,
         pool: PoolView | None = None,
+        preempts_for_room: bool = True,
     ) -> SlotForecast:
         """``running``: each request holding a slot; ``max_running``: the running set's cap
         now, when lower than ``max_num_seqs``; ``cap_grows``: whether that cap is still rising
         (then a request past it waits two steps per request ahead, not for one to finish);
-        ``pool``: the KV pool's free blocks and block size (None: blocks are never short)."""
+        ``pool``: the KV pool's free blocks and block size (None: blocks are never short);
+        ``preempts_for_room``: see ``SlotForecast``."""
         typical = self.mean_output_tokens
         steps = []
         priorities = []
@@ -269,4 +275,5 @@ class SlotForecaster:
             kv_releases=tuple(sorted(releases, key=lambda k: k.steps)),
             typical_output=None if typical is None else round(typical),
             typical_footprint=median_footprint(footprints),
+            preempts_for_room=preempts_for_room,
         )

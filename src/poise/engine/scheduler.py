@@ -444,8 +444,12 @@ class Scheduler:
         i = looked_past = 0
         headroom: int | None = None  # blocks free once the running have grown: while any run
         typical = 0  # the median running footprint
-        # The smallest footprint passed over in this step: one at least as large waits too.
-        passed_floor: int | None = None
+        # The least passed over in this step, for slots (a footprint) and for room (blocks it
+        # needs and must leave): one wanting at least as much waits too, at no cost to the
+        # look-past bound (it is no attempt): a row of long requests waiting for room does not
+        # hide the short ones behind it.
+        crowded_floor: int | None = None
+        room_floor: int | None = None
         now = self.clock()
         while i < len(self.waiting):
             request = self.waiting[i]
@@ -456,27 +460,21 @@ class Scheduler:
                 if budget <= 0 or (room is not None and room <= 0):
                     break
                 overdue = self._passed_over_too_long(request, now)
-                if (
-                    passed_floor is not None
+                crowded = (
+                    crowded_floor is not None
                     and not overdue
-                    and self.footprint_blocks(request) >= passed_floor
-                ):
-                    # Passed over like the smaller one before it, at no cost to the look-past
-                    # bound: a row of long requests waiting for room does not hide the short
-                    # ones behind it (the bound counts attempts, and this is none).
-                    if request.passed_over_since is None:
-                        request.passed_over_since = now
-                    i += 1
-                    continue
-                if (
+                    and self.footprint_blocks(request) >= crowded_floor
+                )
+                if crowded or (
                     looked_past < MAX_LOOK_PAST
                     and not overdue
                     and self._crowds_out(i, max_running, preempted)
                 ):
                     if request.passed_over_since is None:
                         request.passed_over_since = now
-                    looked_past += 1
-                    passed_floor = _smaller(passed_floor, self.footprint_blocks(request))
+                    if not crowded:
+                        looked_past += 1
+                        crowded_floor = _smaller(crowded_floor, self.footprint_blocks(request))
                     i += 1  # it waits for more slots; a smaller one behind it takes this one
                     continue
                 if not self._has_slot(request, max_running):
@@ -505,6 +503,13 @@ class Scheduler:
             reserve = 0 if overdue else room_left_for_others(footprint, typical)
             reserve = min(reserve, max(0, self.kv.capacity - footprint))
             fits = request.is_probe or headroom is None or need + reserve <= headroom
+            if not fits and not overdue and room_floor is not None and need + reserve >= room_floor:
+                # No more room than for one passed over before it, and no more victims (those
+                # behind are of no better priority, and want at least as much).
+                if request.passed_over_since is None:
+                    request.passed_over_since = now
+                i += 1
+                continue
             if not fits or not self.kv.allocate_slots(request, n, hits):
                 if request.is_probe:
                     break  # a probe waits for blocks; it takes nobody's
@@ -519,14 +524,15 @@ class Scheduler:
                     for victim in victims:
                         self._preempt(victim, preempted)
                         budget += self._unschedule(scheduled, victim.request_id)
-                    headroom = None
+                    headroom = room_floor = None  # room was made: the floor no longer holds
                     continue
                 if request.passed_over_since is None:
                     request.passed_over_since = now
                 looked_past += 1
                 if overdue or looked_past > MAX_LOOK_PAST:
                     break  # nobody overtakes one passed over for too long: room comes to it
-                passed_floor = _smaller(passed_floor, footprint)
+                if not fits:
+                    room_floor = _smaller(room_floor, need + reserve)
                 i += 1  # it waits for room; a smaller one behind it may fit
                 continue
             request.passed_over_since = None

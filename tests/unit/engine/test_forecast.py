@@ -142,6 +142,9 @@ def test_the_blocks_of_a_request_the_scheduler_would_preempt_are_room_now() -> N
     assert protected.kv_wait_s(10, priority=0, own=2) > 0
     batch = f.forecast([*shorts, long(priority=10)], pool=pool)
     assert batch.kv_wait_s(30, priority=0, own=25) == 0.0
+    # Optimistic admission (no headroom rule) makes no room by preemption: none is counted.
+    optimistic = f.forecast([*shorts, long()], pool=pool, preempts_for_room=False)
+    assert optimistic.kv_wait_s(10, priority=0, own=2) > 0
 
 
 def test_the_typical_output_tempers_a_footprint() -> None:

@@ -466,3 +466,26 @@ def test_a_long_request_is_not_held_back_for_a_worse_prioritys_short_one():
     add(s, "batch", 4, max_tokens=4, priority=10, first=990)
     out = run_step(s)
     assert long.status is RequestStatus.RUNNING and not out.preempted_request_ids
+
+
+def test_a_larger_request_whose_prompt_is_cached_is_not_passed_over_with_a_smaller_one():
+    """A running request holds a 64-token prompt. A waiting one of 16 blocks does not fit; one
+    behind it wants 18 blocks, but 16 of them are that running prompt's, cached and shared: it
+    needs 2 and starts."""
+    s, _ = make_scheduler(blocks=40, block_size=4)
+    add(s, "running", 64, max_tokens=40)
+    run_step(s)
+    run_step(s)
+    a = add(s, "a", 56, max_tokens=8, first=1000)
+    b = Request(
+        "b",
+        [*range(64), 7000, 7001, 7002, 7003],
+        SamplingParams(ignore_eos=True),
+        arrival_time=s.clock(),
+        max_tokens=4,
+    )
+    s.add_request(b)
+    assert s.footprint_blocks(b) > s.footprint_blocks(a)
+    run_step(s)
+    assert a.status is RequestStatus.WAITING
+    assert b.status is RequestStatus.RUNNING
