@@ -9,6 +9,12 @@
    No tuning flag is passed: only ``--dtype`` (the model's own is float32) and, with
    ``--deployment up``, the replica count.
 3. While each overload run lasts, /health, /ready and /metrics are polled and timed.
+4. False refusals (``--modes on,replay``): the same requests at the same times again, against
+   the defaults with admission off; each request the defaults refused is judged by what it got
+   when everything was admitted. One that met the SLO then was refused falsely (a lower bound:
+   it waited behind every other refused request too); beside it, how many that the defaults
+   served within the SLO missed it in the replay (what the refusals bought). The older judge
+   (the next admitted request's time, ``judge_refusals``) gives the upper bound.
 
 Prompts are 256 random token ids (no prefix-cache hits), outputs exactly 64 tokens
 (ignore_eos), streamed so TTFT and TPOT are measured at the client. Everything runs on loopback
@@ -92,6 +98,50 @@ class RunReport:
     false_refusals: int = 0
     possibly_false_refusals: int = 0
     refusals_judged: int = 0
+    # Each request in send order: good, missed (admitted, an SLO missed), refused or failed;
+    # the same seed sends the same requests at the same times, so runs compare request by
+    # request (``replay_verdict``).
+    outcomes: list[str] = field(default_factory=list)
+
+
+def outcome_of(r: Result) -> str:
+    if r.status == 429:
+        return "refused"
+    if r.status != 200 or r.error:
+        return "failed"
+    return "good" if r.good else "missed"
+
+
+@dataclass
+class ReplayVerdict:
+    """What admitting everything did to the same requests (the replay, admission off): of
+    those the defaults refused, how many met the SLO anyway (false refusals, at least: the
+    replay admitted all the others too, so each waited behind more than it would have alone),
+    and of those the defaults admitted and served well, how many the replay's extra work made
+    miss (what the refusals bought)."""
+
+    label: str
+    refused: int
+    refused_met_slo: int
+    served_well: int
+    served_well_then_missed: int
+
+    @property
+    def false_share(self) -> float:
+        return self.refused_met_slo / self.refused if self.refused else 0.0
+
+
+def replay_verdict(label: str, on: list[str], replay: list[str]) -> ReplayVerdict:
+    if len(on) != len(replay):
+        raise ValueError("the replay sent another trace")
+    pairs = list(zip(on, replay, strict=True))
+    return ReplayVerdict(
+        label,
+        refused=sum(a == "refused" for a, _ in pairs),
+        refused_met_slo=sum(a == "refused" and b == "good" for a, b in pairs),
+        served_well=sum(a == "good" for a, _ in pairs),
+        served_well_then_missed=sum(a == "good" and b != "good" for a, b in pairs),
+    )
 
 
 def pct(values: list[float], q: float) -> float | None:
@@ -236,6 +286,7 @@ async def run_load(
         false_refusals=false,
         possibly_false_refusals=possible,
         refusals_judged=judged,
+        outcomes=[outcome_of(r) for r in results],
     )
 
 
@@ -392,6 +443,18 @@ def print_table(capacity: float, peak: float, runs: list[RunReport]) -> None:
             print(f"  {r.label:<18}{cells}")
 
 
+def replay_verdicts(runs: list[RunReport]) -> list[ReplayVerdict]:
+    """Each multiple run with the defaults and replayed, request by request."""
+    by_label = {r.label: r for r in runs}
+    out = []
+    for r in runs:
+        mode, mult = r.label.rsplit(" ", 1)
+        other = by_label.get(f"replay {mult}")
+        if mode == "defaults" and other is not None:
+            out.append(replay_verdict(mult, r.outcomes, other.outcomes))
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=".cache/models/w0")
@@ -419,7 +482,9 @@ def main() -> int:
         "--modes",
         default="on,off",
         help="what to run at each multiple, in order: on (poise's defaults), off (poise with "
-        "admission and the step budget off), vllm (vLLM's CPU build from .cache/vllm-venv)",
+        "admission and the step budget off), replay (the defaults with admission off: the same "
+        "requests, each judged against what 'on' did with it), vllm (vLLM's CPU build from "
+        ".cache/vllm-venv)",
     )
     ap.add_argument("--mults", default="1,2,3", help="overload multiples of the capacity")
     ap.add_argument("--json", type=Path)
@@ -433,6 +498,7 @@ def main() -> int:
     # step-time budget): the capacity is measured on it, as the load it serves within the SLO.
     off = [*engine, "--no-admission-control", "--step-time-budget-s", "0"]
     on = engine
+    replay = [*engine, "--no-admission-control"]
     replicas = args.replicas if args.deployment == "up" else 0
 
     sweep: list[RunReport] = []
@@ -475,6 +541,7 @@ def main() -> int:
     modes = {
         "on": ("defaults", on),
         "off": ("protection off", off),
+        "replay": ("replay", replay),
         "vllm": ("vllm", ["--dtype", args.dtype]),
     }
     for mode, flags in (modes[m] for m in args.modes.split(",") if m):
@@ -508,6 +575,13 @@ def main() -> int:
         finally:
             replica.stop()
     print_table(capacity, peak, runs)
+    verdicts = replay_verdicts(runs)
+    for v in verdicts:
+        print(
+            f"replay {v.label}: of {v.refused} refused, {v.refused_met_slo} met the SLO when "
+            f"everything was admitted ({100 * v.false_share:.1f}% false, at least); of "
+            f"{v.served_well} served within the SLO, {v.served_well_then_missed} missed it then"
+        )
     if args.json:
         args.json.write_text(
             json.dumps(
@@ -516,6 +590,7 @@ def main() -> int:
                     "peak_goodput_rps": peak,
                     "sweep": [asdict(r) for r in sweep],
                     "runs": [asdict(r) for r in runs],
+                    "replay": [{**asdict(v), "false_share": v.false_share} for v in verdicts],
                 },
                 indent=2,
             )
