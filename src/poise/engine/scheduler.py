@@ -9,7 +9,10 @@ A step may also have a time budget (``time_budget``, the engine's ``StepBudget``
 running request's decode token is in, prompt chunks share what the budget says still fits (at
 least a block's worth, so that a prompt always progresses), and a new request starts only while
 that leaves room and the running set is under the budget's cap: the running set grows only as
-far as a step can serve it within its time.
+far as a step can serve it within its time. Past that room one short prompt a step, of the best
+priority, still starts with its whole prompt (``SHORT_PROMPT_BLOCKS``) where it takes nobody's
+seat or blocks: a long prompt's chunks would otherwise hold every short one's first token for
+the steps they take (vLLM's ``max_long_partial_prefills`` answers the same problem).
 
 Running requests are served first, best (priority, arrival) first. Preemption frees a running
 request's blocks and sends it back to the waiting queue to be recomputed later (its full blocks
@@ -71,6 +74,10 @@ from poise.engine.request import Request, RequestStatus, SamplingParams
 
 # Waiting requests that may start past one that cannot get its blocks, per step.
 MAX_LOOK_PAST = 8
+# A prompt this many blocks long or shorter may start past a full step's prompt room, one a
+# step, with the best priority: a long prompt's chunks (a preempted request's recompute above
+# all) otherwise took every step's room, and no short request started for seconds.
+SHORT_PROMPT_BLOCKS = 4
 # A request passed over this long for lack of room is passed over no more: nobody starts past
 # it, and it no longer leaves room for others, until it starts (no request starves for room).
 MAX_PASSED_OVER_S = 30.0
@@ -450,15 +457,25 @@ class Scheduler:
         # hide the short ones behind it.
         crowded_floor: int | None = None
         room_floor: int | None = None
+        short_past_room = self._short_past_room()
         now = self.clock()
         while i < len(self.waiting):
             request = self.waiting[i]
             if request.request_id in preempted:
                 i += 1  # it gave its place up in this step: not back in the same one
                 continue
+            # Past the step's prompt room, only a short prompt starts (``SHORT_PROMPT_BLOCKS``),
+            # and only where nobody's seat or blocks are taken for it.
+            past_room = room is not None and room <= 0
             if not request.is_probe:
-                if budget <= 0 or (room is not None and room <= 0):
+                if budget <= 0:
                     break
+                if past_room and not short_past_room(request):
+                    looked_past += 1
+                    if looked_past > MAX_LOOK_PAST:
+                        break
+                    i += 1  # it waits for room; a short one behind it may start past it
+                    continue
                 overdue = self._passed_over_too_long(request, now)
                 crowded = (
                     crowded_floor is not None
@@ -478,7 +495,7 @@ class Scheduler:
                     i += 1  # it waits for more slots; a smaller one behind it takes this one
                     continue
                 if not self._has_slot(request, max_running):
-                    victim = self._seat_of(request, max_running)
+                    victim = None if past_room else self._seat_of(request, max_running)
                     if victim is None:
                         break
                     self._preempt(victim, preempted)
@@ -488,7 +505,12 @@ class Scheduler:
             n_cached = len(hits) * bs
             left = request.num_tokens - n_cached
             # A health probe must not queue behind user work: it passes the caps.
-            n = left if request.is_probe else min(left, budget, room if room is not None else left)
+            if request.is_probe:
+                n = left
+            elif past_room:
+                n = min(left, budget)  # its whole prompt: it is short
+            else:
+                n = min(left, budget, left if room is None else room)
             footprint = self.footprint_blocks(request)
             # Cached blocks others hold cost nothing; free cached ones come out of the pool.
             need = footprint - sum(1 for b in hits if self.kv.blocks[b].ref_cnt > 0)
@@ -503,6 +525,8 @@ class Scheduler:
             reserve = 0 if overdue else room_left_for_others(footprint, typical)
             reserve = min(reserve, max(0, self.kv.capacity - footprint))
             fits = request.is_probe or headroom is None or need + reserve <= headroom
+            if past_room and not request.is_probe and not fits:
+                break  # nobody is preempted for a start past the room
             if not fits and not overdue and room_floor is not None and need + reserve >= room_floor:
                 # No more room than for one passed over before it, and no more victims (those
                 # behind are of no better priority, and want at least as much).
@@ -536,6 +560,8 @@ class Scheduler:
                 i += 1  # it waits for room; a smaller one behind it may fit
                 continue
             request.passed_over_since = None
+            if past_room and not request.is_probe:
+                short_past_room = _nobody
             self.kv.record_lookup(request.num_tokens, n_cached)
             request.num_computed_tokens = n_cached
             request.num_cached_prompt_tokens = n_cached
@@ -551,6 +577,17 @@ class Scheduler:
             if room is not None:
                 room -= n
         return budget
+
+    def _short_past_room(self) -> Callable[[Request], bool]:
+        """Who may start past a full step's prompt room: a prompt of at most
+        ``SHORT_PROMPT_BLOCKS`` blocks, of the best priority running or waiting."""
+        best = self._best_priority()
+        limit = SHORT_PROMPT_BLOCKS * self.kv.block_size
+
+        def short(request: Request) -> bool:
+            return (best is None or request.priority <= best) and request.num_tokens <= limit
+
+        return short
 
     def _crowds_out(self, i: int, max_running: int, preempted: list[str]) -> bool:
         """The ``i``-th waiting request, one of more than twice the typical running footprint,
@@ -697,3 +734,7 @@ class Scheduler:
 
 def _smaller(floor: int | None, footprint: int) -> int:
     return footprint if floor is None else min(floor, footprint)
+
+
+def _nobody(request: Request) -> bool:
+    return False

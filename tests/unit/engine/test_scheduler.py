@@ -489,3 +489,74 @@ def test_a_larger_request_whose_prompt_is_cached_is_not_passed_over_with_a_small
     run_step(s)
     assert a.status is RequestStatus.WAITING
     assert b.status is RequestStatus.RUNNING
+
+
+def test_a_short_prompt_starts_past_a_long_prompts_chunks_one_a_step():
+    """Three decodes fill a tight time budget and a long prompt is computed a block a step
+    (a preempted request's recompute, say). Short prompts arriving start past the full room,
+    whole, one a step, and have their first token in that step; the long one keeps its chunk
+    every step; a long newcomer does not start past the room."""
+    s, _ = make_scheduler(blocks=512, block_size=4, max_num_batched_tokens=256)
+    s.time_budget = FixedStepBudget(tokens=4, cap=16)
+    for i in range(3):
+        add(s, f"d{i}", 4, max_tokens=100, first=1000 * (i + 1))
+    for _ in range(4):
+        run_step(s)
+    long = add(s, "long", 64, max_tokens=4, first=5000)
+    run_step(s)
+    assert long.status is RequestStatus.RUNNING and 0 < long.num_computed_tokens < 64
+    shorts = [add(s, f"s{k}", 12, max_tokens=4, first=7000 + 100 * k) for k in range(2)]
+    big = add(s, "big", 40, max_tokens=4, first=9000)
+    before = long.num_computed_tokens
+    run_step(s)
+    assert len(shorts[0].output_token_ids) == 1 and shorts[1].status is RequestStatus.WAITING
+    assert long.num_computed_tokens > before
+    run_step(s)
+    assert len(shorts[1].output_token_ids) == 1
+    assert big.status is RequestStatus.WAITING
+
+
+def test_a_short_prompt_behind_one_waiting_for_room_starts_past_it():
+    s, _ = make_scheduler(blocks=512, block_size=4, max_num_batched_tokens=256)
+    s.time_budget = FixedStepBudget(tokens=4, cap=16)
+    for i in range(3):
+        add(s, f"d{i}", 4, max_tokens=100, first=1000 * (i + 1))
+    for _ in range(4):
+        run_step(s)
+    add(s, "long", 64, max_tokens=4, first=5000)
+    run_step(s)
+    big = add(s, "big", 40, max_tokens=4, first=9000)
+    short = add(s, "short", 8, max_tokens=4, first=9500)
+    run_step(s)
+    assert big.status is RequestStatus.WAITING and len(short.output_token_ids) == 1
+
+
+def test_a_worse_prioritys_short_prompt_does_not_start_past_the_room():
+    s, _ = make_scheduler(blocks=512, block_size=4, max_num_batched_tokens=256)
+    s.time_budget = FixedStepBudget(tokens=4, cap=16)
+    for i in range(3):
+        add(s, f"d{i}", 4, max_tokens=100, first=1000 * (i + 1))
+    for _ in range(4):
+        run_step(s)
+    add(s, "long", 64, max_tokens=4, first=5000)
+    run_step(s)
+    batch = add(s, "batch", 8, max_tokens=4, priority=10, first=9500)
+    run_step(s)
+    assert batch.status is RequestStatus.WAITING
+
+
+def test_nobody_is_preempted_for_a_short_prompt_past_the_room():
+    """A batch request holds most of the pool; an interactive long prompt is chunked through a
+    tight step. A short interactive prompt that would need the batch request's blocks does not
+    start past the full room: that would preempt for a start the step has no room for."""
+    s, _ = make_scheduler(blocks=40, block_size=4, max_num_batched_tokens=256)
+    s.time_budget = FixedStepBudget(tokens=2, cap=16)
+    batch = add(s, "batch", 8, max_tokens=100, priority=10)
+    for _ in range(4):
+        run_step(s)
+    add(s, "long", 32, max_tokens=4, first=5000)
+    run_step(s)
+    short = add(s, "short", 8, max_tokens=12, first=9000)
+    out = run_step(s)
+    assert not out.preempted_request_ids and batch.status is RequestStatus.RUNNING
+    assert short.status is RequestStatus.WAITING
