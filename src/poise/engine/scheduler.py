@@ -470,12 +470,15 @@ class Scheduler:
             if not request.is_probe:
                 if budget <= 0:
                     break
-                if past_room and not short_past_room(request):
-                    looked_past += 1
-                    if looked_past > MAX_LOOK_PAST:
-                        break
-                    i += 1  # it waits for room; a short one behind it may start past it
-                    continue
+                if past_room:
+                    if self._passed_over_too_long(request, now):
+                        break  # nobody starts past one passed over for too long
+                    short = short_past_room(request, budget)
+                    if short is None:
+                        break  # of a worse priority, as is everyone behind it
+                    if not short:
+                        i += 1  # no attempt: not counted against the look-past bound
+                        continue
                 overdue = self._passed_over_too_long(request, now)
                 crowded = (
                     crowded_floor is not None
@@ -537,6 +540,8 @@ class Scheduler:
             if not fits or not self.kv.allocate_slots(request, n, hits):
                 if request.is_probe:
                     break  # a probe waits for blocks; it takes nobody's
+                if past_room:
+                    break  # nobody is preempted for a start past the room
                 short = need + reserve - headroom if headroom is not None and not fits else 1
                 victims = self._victims_for(request, short, typical)
                 if not self.config.kv_headroom:
@@ -578,14 +583,20 @@ class Scheduler:
                 room -= n
         return budget
 
-    def _short_past_room(self) -> Callable[[Request], bool]:
-        """Who may start past a full step's prompt room: a prompt of at most
-        ``SHORT_PROMPT_BLOCKS`` blocks, of the best priority running or waiting."""
+    def _short_past_room(self) -> Callable[[Request, int], bool | None]:
+        """Who may start past a full step's prompt room: one of the best priority running or
+        waiting with at most ``SHORT_PROMPT_BLOCKS`` blocks of prompt left to compute (cached
+        blocks aside) and no more than the token budget; None for a worse priority."""
         best = self._best_priority()
         limit = SHORT_PROMPT_BLOCKS * self.kv.block_size
 
-        def short(request: Request) -> bool:
-            return (best is None or request.priority <= best) and request.num_tokens <= limit
+        def short(request: Request, budget: int) -> bool | None:
+            if best is not None and request.priority > best:
+                return None
+            left = (
+                request.num_tokens - len(self.kv.get_computed_blocks(request)) * self.kv.block_size
+            )
+            return left <= min(limit, budget)
 
         return short
 
@@ -736,5 +747,5 @@ def _smaller(floor: int | None, footprint: int) -> int:
     return footprint if floor is None else min(floor, footprint)
 
 
-def _nobody(request: Request) -> bool:
-    return False
+def _nobody(request: Request, budget: int) -> bool | None:
+    return None

@@ -560,3 +560,60 @@ def test_nobody_is_preempted_for_a_short_prompt_past_the_room():
     out = run_step(s)
     assert not out.preempted_request_ids and batch.status is RequestStatus.RUNNING
     assert short.status is RequestStatus.WAITING
+
+
+def _past_room_scheduler(**cfg) -> tuple[Scheduler, Request]:
+    """Three decodes and a 400-token prompt being chunked fill every step's prompt room
+    (before that, ``warm`` is served whole, with no time budget)."""
+    warm = cfg.pop("warm", None)
+    s, _ = make_scheduler(blocks=512, block_size=4, max_num_batched_tokens=256, **cfg)
+    if warm is not None:
+        s.add_request(warm)
+        while not warm.is_finished:
+            run_step(s)
+    s.time_budget = FixedStepBudget(tokens=4, cap=32)
+    for i in range(3):
+        add(s, f"d{i}", 4, max_tokens=100, first=1000 * (i + 1))
+    for _ in range(4):
+        run_step(s)
+    long = add(s, "long", 400, max_tokens=4, first=5000)
+    run_step(s)
+    return s, long
+
+
+def test_a_short_prompt_behind_a_dozen_longer_ones_starts_past_the_room():
+    s, _ = _past_room_scheduler()
+    longer = [add(s, f"l{k}", 20, max_tokens=4, first=20000 + 100 * k) for k in range(12)]
+    short = add(s, "short", 8, max_tokens=4, first=90000)
+    run_step(s)
+    assert len(short.output_token_ids) == 1
+    assert all(r.status is RequestStatus.WAITING for r in longer)
+
+
+def test_a_prompt_with_a_cached_prefix_is_as_short_as_what_it_computes():
+    """A 60-token system prompt is cached; a chat request on it has 4 tokens to compute: it
+    starts past the room though its prompt is longer than a short one."""
+    system = list(range(7000, 7060))  # 15 blocks
+    warm = Request("warm", [*system, 1, 2, 3, 4], SamplingParams(ignore_eos=True), 0.0, 4)
+    s, _ = _past_room_scheduler(warm=warm)
+    chat = Request("chat", [*system, 9, 9, 9, 9], SamplingParams(ignore_eos=True), 1.0, 4)
+    s.add_request(chat)
+    run_step(s)
+    assert len(chat.output_token_ids) == 1
+
+
+def test_optimistic_admission_preempts_nobody_for_a_start_past_the_room():
+    s, _ = make_scheduler(blocks=40, block_size=4, max_num_batched_tokens=256, kv_headroom=False)
+    s.time_budget = FixedStepBudget(tokens=2, cap=16)
+    batch = add(s, "batch", 100, max_tokens=60, priority=10)
+    long = None
+    for _ in range(60):
+        run_step(s)
+        if long is None and s.kv.num_free_blocks <= 10:
+            long = add(s, "long", 40, max_tokens=4, first=5000)
+        if long is not None and long.status is RequestStatus.RUNNING and not s.kv.num_free_blocks:
+            break
+    short = add(s, "short", 8, max_tokens=4, first=9000)
+    out = run_step(s)
+    assert not out.preempted_request_ids and batch.status is RequestStatus.RUNNING
+    assert short.status is RequestStatus.WAITING
