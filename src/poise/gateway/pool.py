@@ -50,6 +50,13 @@ AFFINITY_SLACK = 4.0  # requests in flight by which the affinity choice may exce
 SLOW_UPDATE_S = 0.1  # how often routing re-judges slowness
 
 
+# Refusals for load a backend must give within a hold before the gateway holds that priority
+# back itself: a flood's come by the dozen in that time, while a lone one is usually marginal
+# (a newcomer predicted just past the target behind one or two waiting), and holding on it
+# refused the next interactive request at every backend for nothing.
+SHED_CONFIRM = 2
+
+
 @dataclass(slots=True)
 class ReportedLoad:
     waiting: float = 0.0
@@ -92,10 +99,17 @@ class Backend:
     # them until ``shed_until`` (see ``note_shedding``).
     shed_from: int | None = None
     shed_until: float = 0.0
+    shed_refusals: int = 0  # such refusals since the hold began
 
     def sheds(self, priority: int, now: float) -> bool:
-        """Whether it refused this priority (or a better one) for load a moment ago."""
-        return self.shed_from is not None and now < self.shed_until and priority >= self.shed_from
+        """Whether it refused this priority (or a better one) for load a moment ago, more than
+        once (``SHED_CONFIRM``)."""
+        return (
+            self.shed_from is not None
+            and now < self.shed_until
+            and priority >= self.shed_from
+            and self.shed_refusals >= SHED_CONFIRM
+        )
 
     def note_shedding(self, priority: int, now: float, hold_s: float) -> None:
         """It refused a request of ``priority`` for load: hold back that priority and worse
@@ -103,8 +117,10 @@ class Backend:
         state (it changes within a step or two) is asked again soon."""
         if self.shed_from is None or now >= self.shed_until:
             self.shed_from = priority
+            self.shed_refusals = 0
         else:
             self.shed_from = min(self.shed_from, priority)
+        self.shed_refusals += 1
         self.shed_until = max(self.shed_until, now + hold_s)
 
     def cut_off(self) -> int:
