@@ -328,6 +328,7 @@ class LLMEngine:
             cap_grows=self._step_budget is not None and self._step_budget.cap_grows,
             pool=PoolView(self.kv.num_free_blocks, self.kv.block_size),
             preempts_for_room=self.scheduler.config.kv_headroom,
+            typical_footprint=self.scheduler.typical_footprint,
         )
         self.scheduler.typical_output = self.forecast.typical_output
         return outputs

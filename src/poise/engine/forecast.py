@@ -49,7 +49,7 @@ class SlotForecast:
     # its blocks before then (``KVRelease``).
     kv_releases: tuple[KVRelease, ...] = ()
     typical_output: int | None = None  # tokens a request produces, as seen so far
-    typical_footprint: int = 0  # the median footprint of the running requests, in blocks
+    typical_footprint: int = 0  # the typical request's footprint, in blocks (the scheduler's)
     # Whether the scheduler preempts running requests to make a newcomer room (its headroom
     # rule; optimistic admission takes at most one worse one: not counted as room here).
     preempts_for_room: bool = True
@@ -149,14 +149,14 @@ class KVRelease:
         return self.priority == priority and own > 0 and self.footprint > max(2 * own, typical)
 
 
-# A request larger than the typical running one starts only where it leaves room for this
+# A request larger than the typical one starts only where it leaves room for this
 # many typical ones beside it: under pressure on the pool, the requests that want the most
 # wait (and are refused, when they would wait too long) before the short ones do.
 ROOM_FOR_OTHERS = 4
 
 
 def median_footprint(footprints: Sequence[int]) -> int:
-    """The typical running request's footprint, in blocks: the median (0 when none run)."""
+    """The median of these footprints, in blocks (0 when there are none)."""
     return sorted(footprints)[len(footprints) // 2] if footprints else 0
 
 
@@ -166,7 +166,7 @@ def room_left_for_others(own: int, typical: int) -> int:
 
 
 def is_large(own: int, typical: int) -> bool:
-    """More than twice the typical running request's footprint (none is while none run)."""
+    """More than twice the typical request's footprint (none is while none is known)."""
     return bool(typical) and own > 2 * typical
 
 
@@ -228,12 +228,14 @@ class SlotForecaster:
         cap_grows: bool = False,
         pool: PoolView | None = None,
         preempts_for_room: bool = True,
+        typical_footprint: int | None = None,
     ) -> SlotForecast:
         """``running``: each request holding a slot; ``max_running``: the running set's cap
         now, when lower than ``max_num_seqs``; ``cap_grows``: whether that cap is still rising
         (then a request past it waits two steps per request ahead, not for one to finish);
         ``pool``: the KV pool's free blocks and block size (None: blocks are never short);
-        ``preempts_for_room``: see ``SlotForecast``."""
+        ``preempts_for_room``: see ``SlotForecast``; ``typical_footprint``: the scheduler's
+        typical request (None: the running requests' median)."""
         typical = self.mean_output_tokens
         steps = []
         priorities = []
@@ -274,6 +276,8 @@ class SlotForecaster:
             kv_headroom_blocks=1 << 30 if pool is None else pool.free_blocks - owed,
             kv_releases=tuple(sorted(releases, key=lambda k: k.steps)),
             typical_output=None if typical is None else round(typical),
-            typical_footprint=median_footprint(footprints),
+            typical_footprint=median_footprint(footprints)
+            if typical_footprint is None
+            else typical_footprint,
             preempts_for_room=preempts_for_room,
         )

@@ -32,7 +32,8 @@ usually survive in the prefix cache). It chooses its victims by priority, then b
 - A waiting request starts only where its projected footprint fits the pool's headroom (the
   free blocks less what the running requests will still grow into), unless nothing runs: a
   request that would have to be preempted to finish does not start, and what it would have
-  computed is not thrown away. One larger than the typical running request must also leave
+  computed is not thrown away. One larger than the typical request (the median footprint of
+  the last 64 started: ``typical_footprint``) must also leave
   room for four typical ones beside it (``forecast.room_left_for_others``), so that the long
   requests, not the short ones, wait when the pool is short. When the first waiting request
   does not fit and nothing may be preempted for it, smaller requests behind it that fit start
@@ -56,6 +57,7 @@ The runner learns what to do only from ``SchedulerOutput``; this module never im
 from __future__ import annotations
 
 import bisect
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -78,6 +80,8 @@ MAX_LOOK_PAST = 8
 # step, with the best priority: a long prompt's chunks (a preempted request's recompute above
 # all) otherwise took every step's room, and no short request started for seconds.
 SHORT_PROMPT_BLOCKS = 4
+# Requests whose footprints at their start make the typical one (``typical_footprint``).
+TYPICAL_WINDOW = 64
 # A request passed over this long for lack of room is passed over no more: nobody starts past
 # it, and it no longer leaves room for others, until it starts (no request starves for room).
 MAX_PASSED_OVER_S = 30.0
@@ -165,6 +169,18 @@ class Scheduler:
         # Output tokens a request typically produces (the engine's running estimate): projects
         # a request's KV footprint when its max_tokens is far above what it will use.
         self.typical_output: int | None = None
+        self._started_footprints: deque[int] = deque(maxlen=TYPICAL_WINDOW)
+
+    @property
+    def typical_footprint(self) -> int:
+        """The typical request's KV footprint, in blocks: the median of the last
+        ``TYPICAL_WINDOW`` started (of the running ones until any has). Counted by starts, not
+        by who holds the pool: long requests hold it longest, and where they were the median
+        of the running set, none of them counted as large any more: nobody could take their
+        place, they left no room for others, and more of them started."""
+        if self._started_footprints:
+            return median_footprint(list(self._started_footprints))
+        return median_footprint([self.footprint_blocks(r) for r in self.running if not r.is_probe])
 
     @property
     def max_running(self) -> int:
@@ -574,6 +590,8 @@ class Scheduler:
             request.transition(RequestStatus.RUNNING)
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = self.clock()
+                if not request.is_probe:
+                    self._started_footprints.append(footprint)
             self.running.append(request)
             scheduled.append(self._scheduled(request, n))
             budget = max(0, budget - n)
@@ -601,16 +619,14 @@ class Scheduler:
         return short
 
     def _crowds_out(self, i: int, max_running: int, preempted: list[str]) -> bool:
-        """The ``i``-th waiting request, one of more than twice the typical running footprint,
+        """The ``i``-th waiting request, one of more than twice the typical footprint,
         would take one of the last running slots of its priority while a smaller request of
         its priority waits close behind it (``forecast.crowds_out``). Not in strict order
         (``kv_headroom`` off)."""
         request = self.waiting[i]
         if not self.config.kv_headroom or not self.running:
             return False
-        typical = median_footprint(
-            [self.footprint_blocks(r) for r in self.running if not r.is_probe]
-        )
+        typical = self.typical_footprint
         ahead = self._ahead(request.priority)
         if not crowds_out(self.footprint_blocks(request), typical, max_running - ahead):
             return False
@@ -670,11 +686,10 @@ class Scheduler:
 
     def _headroom(self) -> tuple[int, int]:
         """Free blocks less those the running requests are projected to grow into, and the
-        median running footprint."""
+        typical footprint."""
         footprints = [(self.footprint_blocks(r), r) for r in self.running if not r.is_probe]
         owed = sum(max(0, f - self.kv.num_held_blocks(r.request_id)) for f, r in footprints)
-        typical = median_footprint([f for f, _ in footprints])
-        return self.kv.num_free_blocks - owed, typical
+        return self.kv.num_free_blocks - owed, self.typical_footprint
 
     def _ahead(self, priority: int) -> int:
         """Running requests of this priority or better: what the running cap counts for it."""

@@ -14,7 +14,7 @@ seconds. So a long wait alone refuses nothing here. A newcomer is refused at onc
   Under a flood this keeps the queue about the target deep, so the requests admitted keep
   their time to first token; a burst that drains, or a closed loop of clients that each send
   again when answered, is served however long the queue it makes. While the queue fills, a
-  request that would fill more than ``BIG_FACTOR`` times the KV blocks of the typical running
+  request that would fill more than ``BIG_FACTOR`` times the KV blocks of the typical
   one is refused whatever its wait: under a flood the requests that want the most are shed
   first (the engine, for its part, makes them wait for room in the pool before the short
   ones);
@@ -63,7 +63,7 @@ from typing import Protocol
 from poise.resilience.queue_trend import PriorityTrends, TrendConfig
 
 # Under a flood, a request that would fill more than this many times the KV blocks of the
-# typical running request is refused whatever its wait: the requests that want the most are
+# typical request is refused whatever its wait: the requests that want the most are
 # shed before the short ones.
 BIG_FACTOR = 2.0
 

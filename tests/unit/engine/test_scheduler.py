@@ -617,3 +617,27 @@ def test_optimistic_admission_preempts_nobody_for_a_start_past_the_room():
     out = run_step(s)
     assert not out.preempted_request_ids and batch.status is RequestStatus.RUNNING
     assert short.status is RequestStatus.WAITING
+
+
+def test_long_requests_holding_most_of_the_running_set_are_still_the_large_ones():
+    """Twelve short requests (2 blocks) have started and ended; three long ones (17 blocks)
+    and a short one run on a roomy pool, which then shrinks to what they hold (a fault, as in
+    the kv-exhaustion scenario): most of the running set is long. The typical request is still
+    the short one (counted by starts, not by who holds the pool), so a short newcomer that
+    finds no room takes a long one's place."""
+    s, _ = make_scheduler(blocks=256, block_size=4)
+    for k in range(12):
+        add(s, f"warm{k}", 4, max_tokens=4, first=100 * (k + 1))
+    while s.has_unfinished:
+        run_step(s)
+    longs = [add(s, f"long{k}", 8, max_tokens=60, first=5000 + 100 * k) for k in range(3)]
+    add(s, "short", 4, max_tokens=4, first=9000)
+    for _ in range(2):
+        run_step(s)
+    assert all(r.status is RequestStatus.RUNNING for r in longs)
+    s.kv.limit = 3 * 17 + 2 + 1
+    assert s.typical_footprint == 2
+    newcomer = add(s, "newcomer", 4, max_tokens=8, first=9500)
+    out = run_step(s)
+    assert newcomer.status is RequestStatus.RUNNING
+    assert out.preempted_request_ids and out.preempted_request_ids[0].startswith("long")
