@@ -14,8 +14,8 @@ seconds. So a long wait alone refuses nothing here. A newcomer is refused at onc
   Under a flood this keeps the queue about the target deep, so the requests admitted keep
   their time to first token; a burst that drains, or a closed loop of clients that each send
   again when answered, is served however long the queue it makes. While the queue fills, a
-  request that would fill more than ``BIG_FACTOR`` times the KV blocks of the typical
-  one is refused whatever its wait: under a flood the requests that want the most are shed
+  request that would fill more than ``BIG_FACTOR`` times the KV blocks of the typical request
+  is refused whatever its wait: under a flood the requests that want the most are shed
   first (the engine, for its part, makes them wait for room in the pool before the short
   ones);
 - the queue's hard bounds (requests, prompt tokens) are reached and nothing of a lower priority
