@@ -18,7 +18,8 @@ the gateway: the replicas schedule by priority and preempt the batch work for it
 gateway lets it through, and holds back only more batch work.
 
 A poise replica that refused a request for load refuses that priority and worse for a moment
-(``Backend.note_shedding``); while every eligible backend does, such a request is refused
+(``Backend.note_shedding``); while every eligible backend has said so more than once for this
+priority or a better one (``SHED_CONFIRM``), such a request is refused
 here (429, ``Retry-After``) without being forwarded: a flood's refusals cost the replicas'
 cores nothing, and the cores stay with the work they admitted.
 

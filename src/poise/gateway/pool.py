@@ -95,32 +95,27 @@ class Backend:
     # place of any output); any other verdict ends the run, and so does its ejection.
     error_answers: int = 0
     # A poise replica that refused a request for load (its queue filling, or full) refuses
-    # that request's priority and worse for a moment: the gateway does not send it more of
-    # them until ``shed_until`` (see ``note_shedding``).
-    shed_from: int | None = None
+    # that request's priority and worse for a moment: once it has said so ``SHED_CONFIRM``
+    # times, the gateway does not send it more of them until ``shed_until`` (see
+    # ``note_shedding``). Such refusals since the hold began, by the priority they named.
+    shed_counts: dict[int, int] = field(default_factory=dict)
     shed_until: float = 0.0
-    shed_refusals: int = 0  # such refusals since the hold began
 
     def sheds(self, priority: int, now: float) -> bool:
-        """Whether it refused this priority (or a better one) for load a moment ago, more than
-        once (``SHED_CONFIRM``)."""
-        return (
-            self.shed_from is not None
-            and now < self.shed_until
-            and priority >= self.shed_from
-            and self.shed_refusals >= SHED_CONFIRM
-        )
+        """Whether it refused this priority or a better one for load a moment ago, more than
+        once (``SHED_CONFIRM``): refusals of a worse priority say nothing of this one."""
+        if now >= self.shed_until:
+            return False
+        return sum(n for p, n in self.shed_counts.items() if p <= priority) >= SHED_CONFIRM
 
     def note_shedding(self, priority: int, now: float, hold_s: float) -> None:
-        """It refused a request of ``priority`` for load: hold back that priority and worse
-        for ``hold_s``, long enough to spare it a flood's requests and short enough that its
-        state (it changes within a step or two) is asked again soon."""
-        if self.shed_from is None or now >= self.shed_until:
-            self.shed_from = priority
-            self.shed_refusals = 0
-        else:
-            self.shed_from = min(self.shed_from, priority)
-        self.shed_refusals += 1
+        """It refused a request of ``priority`` for load (any of that priority or worse would
+        be now): count it towards holding them back for ``hold_s``, long enough to spare it a
+        flood's requests and short enough that its state (it changes within a step or two) is
+        asked again soon."""
+        if now >= self.shed_until:
+            self.shed_counts.clear()
+        self.shed_counts[priority] = self.shed_counts.get(priority, 0) + 1
         self.shed_until = max(self.shed_until, now + hold_s)
 
     def cut_off(self) -> int:

@@ -337,9 +337,11 @@ def test_a_backend_sheds_the_best_priority_it_refused_for_a_moment():
     assert not b.sheds(9, 100.05)  # one refusal alone may be a marginal one: nothing held
     b.note_shedding(5, 100.05, 0.25)
     assert b.sheds(5, 100.1) and b.sheds(9, 100.1) and not b.sheds(4, 100.1)
-    b.note_shedding(3, 100.2, 0.25)  # a better priority refused too: from 3 on, a while longer
+    b.note_shedding(3, 100.2, 0.25)  # a better priority refused once: not yet held back
+    assert not b.sheds(3, 100.3) and b.sheds(5, 100.3)
+    b.note_shedding(3, 100.3, 0.25)  # and again: from 3 on, a while longer
     assert b.sheds(3, 100.4) and not b.sheds(2, 100.4)
-    assert not b.sheds(9, 100.46)  # forgotten after the hold
+    assert not b.sheds(9, 100.56)  # forgotten after the hold
     b.note_shedding(7, 101.0, 0.25)  # a fresh refusal starts afresh, not from 3
     assert not b.sheds(7, 101.05)
     b.note_shedding(7, 101.05, 0.25)
