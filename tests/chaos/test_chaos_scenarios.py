@@ -142,8 +142,10 @@ def _kv(run: dict[str, Any]) -> None:
         if used is not None and cap is not None and cap < max(c for c in cap_series if c)
     ]
     assert shrunk, "the pool never shrank"
-    # (Read twice a second: the peak between two readings goes unseen.)
-    assert max(used / cap for used, cap in shrunk) >= 0.6, run["output"]
+    # (Read twice a second: the peak between two readings goes unseen; and a long request
+    # starts only where it leaves room for four typical ones, so the pool never fills by
+    # design.)
+    assert max(used / cap for used, cap in shrunk) >= 0.5, run["output"]
     # Where anyone paid, the long requests did, not the short ones: refused (429 with
     # Retry-After) or kept waiting for room, while the steady traffic was served. (On a
     # quick run the shrunk pool may have had room for all: then nobody paid.)

@@ -169,7 +169,8 @@ class Scheduler:
         # Output tokens a request typically produces (the engine's running estimate): projects
         # a request's KV footprint when its max_tokens is far above what it will use.
         self.typical_output: int | None = None
-        self._started_footprints: deque[int] = deque(maxlen=TYPICAL_WINDOW)
+        # (prompt tokens, max_tokens, runs to max_tokens) of the last requests started.
+        self._started: deque[tuple[int, int, bool]] = deque(maxlen=TYPICAL_WINDOW)
 
     @property
     def typical_footprint(self) -> int:
@@ -178,9 +179,17 @@ class Scheduler:
         by who holds the pool: long requests hold it longest, and where they were the median
         of the running set, none of them counted as large any more: nobody could take their
         place, they left no room for others, and more of them started."""
-        if self._started_footprints:
-            return median_footprint(list(self._started_footprints))
+        if self._started:
+            return median_footprint([self._projected(*started) for started in self._started])
         return median_footprint([self.footprint_blocks(r) for r in self.running if not r.is_probe])
+
+    def _projected(self, prompt_tokens: int, max_tokens: int, exact: bool) -> int:
+        """A fresh request's footprint as ``footprint_blocks`` projects it now (with today's
+        typical output, not the one when it started)."""
+        output = max_tokens
+        if self.typical_output is not None and not exact:
+            output = min(output, max(self.typical_output, 1))
+        return self.kv.blocks_needed(prompt_tokens + output)
 
     @property
     def max_running(self) -> int:
@@ -466,7 +475,7 @@ class Scheduler:
         max_running = self.max_running
         i = looked_past = 0
         headroom: int | None = None  # blocks free once the running have grown: while any run
-        typical = 0  # the median running footprint
+        typical = 0  # ``typical_footprint``, read with the headroom
         # The least passed over in this step, for slots (a footprint) and for room (blocks it
         # needs and must leave): one wanting at least as much waits too, at no cost to the
         # look-past bound (it is no attempt): a row of long requests waiting for room does not
@@ -591,7 +600,9 @@ class Scheduler:
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = self.clock()
                 if not request.is_probe:
-                    self._started_footprints.append(footprint)
+                    self._started.append(
+                        (request.num_prompt_tokens, request.max_tokens, request.runs_to_max_tokens)
+                    )
             self.running.append(request)
             scheduled.append(self._scheduled(request, n))
             budget = max(0, budget - n)

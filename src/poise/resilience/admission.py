@@ -84,7 +84,7 @@ class Forecast(Protocol):
 
     @property
     def typical_footprint(self) -> int:
-        """The running requests' median KV footprint, in blocks (0: not known)."""
+        """The typical request's KV footprint, in blocks (0: not known)."""
         ...
 
     def fits_now(self, blocks: int) -> bool:

@@ -641,3 +641,16 @@ def test_long_requests_holding_most_of_the_running_set_are_still_the_large_ones(
     out = run_step(s)
     assert newcomer.status is RequestStatus.RUNNING
     assert out.preempted_request_ids and out.preempted_request_ids[0].startswith("long")
+
+
+def test_the_typical_footprint_follows_todays_typical_output():
+    """Requests that started before any had finished were projected at their max_tokens; once
+    answers turn out short, the typical request is projected as short too."""
+    s, _ = make_scheduler(blocks=512, block_size=4)
+    for k in range(12):
+        r = Request(f"r{k}", [100 * k + 1, 100 * k + 2], SamplingParams(), 0.0, 400)
+        s.add_request(r)
+    run_step(s)
+    assert s.typical_footprint == s.kv.blocks_needed(2 + 400)
+    s.typical_output = 4
+    assert s.typical_footprint == s.kv.blocks_needed(2 + 4)
