@@ -492,11 +492,12 @@ class Scheduler:
             # Past the step's prompt room, only a short prompt starts (``SHORT_PROMPT_BLOCKS``),
             # and only where nobody's seat or blocks are taken for it.
             past_room = room is not None and room <= 0
+            overdue = self._passed_over_too_long(request, now)
             if not request.is_probe:
                 if budget <= 0:
                     break
                 if past_room:
-                    if self._passed_over_too_long(request, now):
+                    if overdue:
                         break  # nobody starts past one passed over for too long
                     short = short_past_room(request, budget)
                     if short is None:
@@ -504,7 +505,6 @@ class Scheduler:
                     if not short:
                         i += 1  # no attempt: not counted against the look-past bound
                         continue
-                overdue = self._passed_over_too_long(request, now)
                 crowded = (
                     crowded_floor is not None
                     and not overdue
@@ -549,7 +549,6 @@ class Scheduler:
                 and headroom is None
             ):
                 headroom, typical = self._headroom()
-            overdue = self._passed_over_too_long(request, now)
             reserve = 0 if overdue else room_left_for_others(footprint, typical)
             reserve = min(reserve, max(0, self.kv.capacity - footprint))
             fits = request.is_probe or headroom is None or need + reserve <= headroom

@@ -491,20 +491,32 @@ def test_a_larger_request_whose_prompt_is_cached_is_not_passed_over_with_a_small
     assert b.status is RequestStatus.RUNNING
 
 
+def _past_room_scheduler(**cfg) -> tuple[Scheduler, Request]:
+    """Three decodes and a 400-token prompt being chunked fill every step's prompt room
+    (before that, ``warm`` is served whole, with no time budget)."""
+    warm = cfg.pop("warm", None)
+    s, _ = make_scheduler(blocks=512, block_size=4, max_num_batched_tokens=256, **cfg)
+    if warm is not None:
+        s.add_request(warm)
+        while not warm.is_finished:
+            run_step(s)
+    s.time_budget = FixedStepBudget(tokens=4, cap=32)
+    for i in range(3):
+        add(s, f"d{i}", 4, max_tokens=100, first=1000 * (i + 1))
+    for _ in range(4):
+        run_step(s)
+    long = add(s, "long", 400, max_tokens=4, first=5000)
+    run_step(s)
+    return s, long
+
+
 def test_a_short_prompt_starts_past_a_long_prompts_chunks_one_a_step():
     """Three decodes fill a tight time budget and a long prompt is computed a block a step
     (a preempted request's recompute, say). Short prompts arriving start past the full room,
     whole, one a step, and have their first token in that step; the long one keeps its chunk
     every step; a long newcomer does not start past the room."""
-    s, _ = make_scheduler(blocks=512, block_size=4, max_num_batched_tokens=256)
-    s.time_budget = FixedStepBudget(tokens=4, cap=16)
-    for i in range(3):
-        add(s, f"d{i}", 4, max_tokens=100, first=1000 * (i + 1))
-    for _ in range(4):
-        run_step(s)
-    long = add(s, "long", 64, max_tokens=4, first=5000)
-    run_step(s)
-    assert long.status is RequestStatus.RUNNING and 0 < long.num_computed_tokens < 64
+    s, long = _past_room_scheduler()
+    assert long.status is RequestStatus.RUNNING and 0 < long.num_computed_tokens < 400
     shorts = [add(s, f"s{k}", 12, max_tokens=4, first=7000 + 100 * k) for k in range(2)]
     big = add(s, "big", 40, max_tokens=4, first=9000)
     before = long.num_computed_tokens
@@ -517,14 +529,7 @@ def test_a_short_prompt_starts_past_a_long_prompts_chunks_one_a_step():
 
 
 def test_a_short_prompt_behind_one_waiting_for_room_starts_past_it():
-    s, _ = make_scheduler(blocks=512, block_size=4, max_num_batched_tokens=256)
-    s.time_budget = FixedStepBudget(tokens=4, cap=16)
-    for i in range(3):
-        add(s, f"d{i}", 4, max_tokens=100, first=1000 * (i + 1))
-    for _ in range(4):
-        run_step(s)
-    add(s, "long", 64, max_tokens=4, first=5000)
-    run_step(s)
+    s, _ = _past_room_scheduler()
     big = add(s, "big", 40, max_tokens=4, first=9000)
     short = add(s, "short", 8, max_tokens=4, first=9500)
     run_step(s)
@@ -532,14 +537,7 @@ def test_a_short_prompt_behind_one_waiting_for_room_starts_past_it():
 
 
 def test_a_worse_prioritys_short_prompt_does_not_start_past_the_room():
-    s, _ = make_scheduler(blocks=512, block_size=4, max_num_batched_tokens=256)
-    s.time_budget = FixedStepBudget(tokens=4, cap=16)
-    for i in range(3):
-        add(s, f"d{i}", 4, max_tokens=100, first=1000 * (i + 1))
-    for _ in range(4):
-        run_step(s)
-    add(s, "long", 64, max_tokens=4, first=5000)
-    run_step(s)
+    s, _ = _past_room_scheduler()
     batch = add(s, "batch", 8, max_tokens=4, priority=10, first=9500)
     run_step(s)
     assert batch.status is RequestStatus.WAITING
@@ -560,25 +558,6 @@ def test_nobody_is_preempted_for_a_short_prompt_past_the_room():
     out = run_step(s)
     assert not out.preempted_request_ids and batch.status is RequestStatus.RUNNING
     assert short.status is RequestStatus.WAITING
-
-
-def _past_room_scheduler(**cfg) -> tuple[Scheduler, Request]:
-    """Three decodes and a 400-token prompt being chunked fill every step's prompt room
-    (before that, ``warm`` is served whole, with no time budget)."""
-    warm = cfg.pop("warm", None)
-    s, _ = make_scheduler(blocks=512, block_size=4, max_num_batched_tokens=256, **cfg)
-    if warm is not None:
-        s.add_request(warm)
-        while not warm.is_finished:
-            run_step(s)
-    s.time_budget = FixedStepBudget(tokens=4, cap=32)
-    for i in range(3):
-        add(s, f"d{i}", 4, max_tokens=100, first=1000 * (i + 1))
-    for _ in range(4):
-        run_step(s)
-    long = add(s, "long", 400, max_tokens=4, first=5000)
-    run_step(s)
-    return s, long
 
 
 def test_a_short_prompt_behind_a_dozen_longer_ones_starts_past_the_room():
