@@ -36,6 +36,8 @@ pytestmark = [
 ]
 
 RESUMED = ": x-poise-resumed: approximate"
+# Log-probabilities this close are a near-tie that bfloat16 rounding in another batch can flip.
+NEAR_TIE = 0.25
 
 
 @pytest.fixture(scope="module")
@@ -233,6 +235,22 @@ def _text(chunks: list[dict[str, Any]]) -> str:
     return "".join(out)
 
 
+def _first_token_choices(url: str, path: str, body: dict[str, Any], sent: str) -> dict[str, float]:
+    """The first token the backend at ``url`` would add to ``body``'s answer begun with
+    ``sent``, asked alone: its top candidates' texts and log-probabilities."""
+    ask: dict[str, Any] = {**body, "stream": False, "max_tokens": 1}
+    if path.endswith("chat/completions"):
+        ask["messages"] = [*body["messages"], {"role": "assistant", "content": sent}]
+        ask |= {"continue_final_message": True, "add_generation_prompt": False}
+        ask |= {"logprobs": True, "top_logprobs": 5}
+        answer = httpx.post(url + path, json=ask, timeout=60).json()
+        top = answer["choices"][0]["logprobs"]["content"][0]["top_logprobs"]
+        return {t["token"]: t["logprob"] for t in top}
+    ask |= {"prompt": body["prompt"] + sent, "logprobs": 5}
+    answer = httpx.post(url + path, json=ask, timeout=60).json()
+    return dict(answer["choices"][0]["logprobs"]["top_logprobs"][0])
+
+
 def _kill_check(g: GatewayProcess, pair: tuple[Any, Any], must_continue: bool = True) -> Any:
     """Streams under way when one of ``pair`` dies: each ends whole, none truncated silently, and
     each continued one is the text sent before the break followed by what the survivor
@@ -296,23 +314,18 @@ def _kill_check(g: GatewayProcess, pair: tuple[Any, Any], must_continue: bool = 
         after = [json.loads(x[6:]) for x in seen[cut:] if x.startswith("data: {")]
         assert all(c.get("poise_resumed") == "approximate" for c in after)
         sent = _text(before)
-        events = sum(1 for c in before if _text([c]))
-        # What the survivor makes of the continuation, asked directly: the seam is exact.
-        rest = {**body, "stream": False, "max_tokens": max(1, most - events)}
-        if path.endswith("chat/completions"):
-            rest["messages"] = [*body["messages"], {"role": "assistant", "content": sent}]
-            rest |= {"continue_final_message": True, "add_generation_prompt": False}
-            expected = httpx.post(survivor.url + path, json=rest, timeout=60).json()
-            expected_text = expected["choices"][0]["message"]["content"]
-        else:
-            rest["prompt"] = body["prompt"] + sent
-            expected = httpx.post(survivor.url + path, json=rest, timeout=60).json()
-            expected_text = expected["choices"][0]["text"]
-        # The seam: the continuation opens as the survivor continues that text. (Further on,
-        # greedy decoding in a batch of eight and alone may part ways in bfloat16: on a random
-        # model's near-ties, with AMX, as soon as the third token.)
-        opening = _text(after[:2])
-        assert opening and expected_text.startswith(opening), (sent[-40:], opening)
+        opening = next((_text([c]) for c in after if _text([c])), "")
+        top = _first_token_choices(survivor.url, path, body, sent)
+        # The seam: the continuation opens as the survivor continues that text, asked directly,
+        # alone. Alone and inside the batch of eight, bfloat16 rounds differently and greedy
+        # decoding may take another of two near-tied tokens, from the first on: the opening
+        # must be the survivor's best first token up to such a tie. (Text repeated or left out
+        # at the seam is another question, whose best answer is seldom a near-tie of this one's.)
+        # (A token that is part of a character reads as '' alone, and reaches the client as
+        # U+FFFD or joined to the next token's text.)
+        near = [t or "\ufffd" for t, lp in top.items() if lp >= max(top.values()) - NEAR_TIE]
+        assert opening and any(opening.startswith(t) for t in near), (sent[-40:], opening, top)
+    markers = sum(seen.count(RESUMED) for seen in lines)
     # Those on it that had sent nothing yet were simply retried on the other. (In the mixed
     # pool the victim may be a poise replica the vLLM beside it starved of CPU, none of whose
     # streams had begun: then there is nothing to continue.)
@@ -320,7 +333,9 @@ def _kill_check(g: GatewayProcess, pair: tuple[Any, Any], must_continue: bool = 
     migrations = gateway_metric(
         g.url, "poise_gateway_stream_migrations_total", result="resumed", mode="approximate"
     )
-    assert migrations == resumed
+    # Every continuation the gateway counts is one a client saw (a stream may be continued
+    # more than once: its second backend may fail it too).
+    assert migrations == markers, (migrations, [seen.count(RESUMED) for seen in lines], g.log)
     return survivor
 
 
