@@ -271,7 +271,8 @@ def _windows(sents: list[Sent], plan: Plan) -> list[tuple[float, bool, float | N
 def recovery_time(sents: list[Sent], plan: Plan, baseline: float | None) -> float | None:
     """MTTR: the fault to the end of the last unhealthy window that a lasting recovery
     (``STABLE_WINDOWS`` healthy windows in a row) follows; 0 when there is none but the run
-    was healthy from the fault on; None when it never lastingly recovered."""
+    was healthy from the fault on; None when it never lastingly recovered, or relapsed for
+    ``STABLE_WINDOWS`` windows in a row after it and never recovered again."""
     if baseline is None:
         return None
     limit = max(2 * baseline, baseline + 0.1)
@@ -284,9 +285,17 @@ def recovery_time(sents: list[Sent], plan: Plan, baseline: float | None) -> floa
         return len(run) == STABLE_WINDOWS and all(run)
 
     last_bad = [i for i, ok in enumerate(healthy) if not ok and stable_from(i + 1)]
-    if last_bad:
-        return (last_bad[-1] + 1) * WINDOW_S
-    return 0.0 if stable_from(0) else None
+    back = last_bad[-1] + 1 if last_bad else 0
+    if not stable_from(back):
+        return None
+    # A slow window or two later is not the same outage; as many unhealthy windows in a row
+    # as a recovery takes, with none after them, are (after kv-exhaustion the restored pool let
+    # the long requests in, and TTFT rose for ten seconds to the end of the run: that was no
+    # recovery at the fault).
+    relapse = [not any(healthy[i : i + STABLE_WINDOWS]) for i in range(back, len(healthy))]
+    if any(r and i + STABLE_WINDOWS <= len(healthy) - back for i, r in enumerate(relapse)):
+        return None
+    return back * WINDOW_S
 
 
 def worst_p99(sents: list[Sent], plan: Plan) -> float | None:

@@ -115,6 +115,14 @@ def test_mttr_is_the_start_of_a_lasting_recovery():
     assert recovery_time(still, PLAN, 0.05) is None
     brief = [*sents[:20], *[ok(10 + t / 2, 0.5) for t in range(30)], ok(25.5), ok(27.0)]
     assert recovery_time(brief, PLAN, 0.05) is None
+    # Back, then slow again for three windows, never back after them: not recovered. Two
+    # slow windows are a blip, not the outage again.
+    relapse = [*sents, ok(24.5, 0.9), ok(26.5, 0.9), ok(28.5, 0.9)]
+    assert recovery_time(relapse, PLAN, 0.05) is None
+    fine_then_slow = [ok(t / 2) for t in range(44)] + [ok(22.5 + 2 * t, 0.9) for t in range(3)]
+    assert recovery_time(fine_then_slow, PLAN, 0.05) is None
+    blip = [*sents, ok(26.5, 0.9), ok(28.5, 0.9)]
+    assert recovery_time(blip, PLAN, 0.05) == pytest.approx(6.0)
     # Nothing visible at all: recovered at once.
     assert recovery_time([ok(t / 2) for t in range(60)], PLAN, 0.05) == 0.0
 
