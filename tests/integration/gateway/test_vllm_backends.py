@@ -11,6 +11,7 @@ replica may refuse some for load: the victim is the one found holding them).
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import threading
@@ -245,7 +246,10 @@ def _first_token_choices(url: str, path: str, body: dict[str, Any], sent: str) -
         ask |= {"logprobs": True, "top_logprobs": 5}
         answer = httpx.post(url + path, json=ask, timeout=60).json()
         top = answer["choices"][0]["logprobs"]["content"][0]["top_logprobs"]
-        return {t["token"]: t["logprob"] for t in top}
+        best: dict[str, float] = {}
+        for t in top:  # two byte tokens may read alike: the likelier counts
+            best[t["token"]] = max(t["logprob"], best.get(t["token"], -math.inf))
+        return best
     ask |= {"prompt": body["prompt"] + sent, "logprobs": 5}
     answer = httpx.post(url + path, json=ask, timeout=60).json()
     return dict(answer["choices"][0]["logprobs"]["top_logprobs"][0])
