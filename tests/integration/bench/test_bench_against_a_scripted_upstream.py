@@ -100,7 +100,10 @@ def test_ttft_tpot_e2e_and_goodput_match_the_script(upstream):
         assert r.completed and r.output_tokens == TOKENS and len(r.itl_s) == TOKENS - 1
         # The server's clock starts as the request arrives, the client's once its send
         # returns, which on loopback can be a little later (0.19996 s was seen): 5 ms of slack.
-        assert TTFT - 0.005 <= r.ttft_s < TTFT + 0.05
+        # Later by up to 0.1 s: server and client share this process's GIL, and on a loaded
+        # 2-core host a thread waited 79 ms for it (a clock started at send or at the end of
+        # the answer would be off by 0.2 s or more).
+        assert TTFT - 0.005 <= r.ttft_s < TTFT + 0.1
         assert r.tpot_s == pytest.approx(GAP, abs=0.012)
         assert all(g == pytest.approx(GAP, abs=0.03) for g in r.itl_s)
     assert by_prompt["reject"].rejected and by_prompt["reject"].status == 429
