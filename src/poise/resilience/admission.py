@@ -153,9 +153,6 @@ class Decision:
     # (a gateway may hold such requests back for a moment); False when its own size decided.
     sheds_priority: bool = False
     large: bool = False  # refused under a flood for its KV footprint, not its wait
-    # Refused for its footprint on a short pool: requests held for room (larger than the
-    # typical one) have waited past the target, and it would wait behind them.
-    held_for_room: bool = False
 
 
 class AdmissionController:
@@ -294,12 +291,6 @@ class AdmissionController:
         )
         if deadline is not None and wait >= deadline - self.clock():
             return self._refuse("deadline", wait, wait)
-        held = self._held_for(priority, max(t.blocks for t in tickets))
-        # Not given a burst's benefit of the doubt: one long request after another on a short
-        # pool, while the start rate is unknown, is no burst.
-        if target is not None and held > target and not trend.bursting:
-            trend.withdraw(count)  # refused for its size: no demand a smaller one would meet
-            return replace(self._refuse("overloaded", max(wait, held), held), held_for_room=True)
         passed = self._passed(priority, max(t.blocks for t in tickets))
         if (long or big) and not trend.in_burst and self.trends.filling(priority, passed):
             assert target is not None
@@ -312,30 +303,6 @@ class AdmissionController:
                 trend.withdraw(count)
             return replace(self._refuse("overloaded", wait, wait - target), sheds_priority=whole)
         return None
-
-    def _held_for(self, priority: int, own: int) -> float:
-        """For a request of ``own`` blocks held for room now: how long the longest waiting of
-        those held before it (of its priority or better, no larger) has waited; 0 when it is
-        not held. Held ones wait while smaller requests start past them and take the blocks
-        that running ones give back, which the pool's forecast counts as their room: in
-        kv-exhaustion long requests admitted on that forecast waited out the fault (most
-        failed at their deadline) and, let in together when the pool came back, slowed the
-        short ones for seconds. A queue of held requests that stands past the target says the
-        pool is short for long, not for a moment."""
-        if self.forecast is None:
-            return 0.0
-        forecast = self.forecast()
-        if not forecast.held_for_room(own):
-            return 0.0
-        now = self.clock()
-        return max(
-            (
-                now - t.arrival
-                for t in self.waiting.values()
-                if t.priority <= priority and t.blocks <= own and forecast.held_for_room(t.blocks)
-            ),
-            default=0.0,
-        )
 
     def _passed(self, priority: int, own: int) -> int:
         """Waiting requests of this priority that one of ``own`` blocks would start past: larger

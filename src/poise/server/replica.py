@@ -324,12 +324,6 @@ class Replica:
                     "the server is overloaded, and this request wants more than twice the KV "
                     "cache of the typical one: under load the largest requests are refused first"
                 )
-            if decision.held_for_room:
-                message = (
-                    "the KV cache is short: requests larger than the typical one have waited "
-                    f"{decision.predicted_wait_s:.2f}s for room, and this one would wait behind "
-                    "them (smaller requests are still served)"
-                )
             raise APIError(429, message, code=reason, headers=headers)
         for key in decision.shed:
             self.metrics.reject("shed")

@@ -496,25 +496,3 @@ def test_gaps_between_starts_past_requests_held_for_room_are_no_start_rate():
     clock.now += 0.2
     ac.started("behind")
     assert ac.mean_start_interval_s == pytest.approx(0.2)
-
-
-def test_a_long_request_is_refused_behind_long_ones_held_for_room_past_the_target():
-    """On a short pool (10-block requests held for room, 5 blocks free) the forecast says room
-    is near, but smaller requests start past the long ones and take it. A long one held for
-    0.2 s is a moment's shortage: another long one is admitted. Once they have waited past the
-    target (0.3 s), a new long one is refused for its size, naming the wait; a short one,
-    which is not held, is admitted; the priority is not shed."""
-    clock = Clock()
-    forecast = ShortPool(wait=0.0)
-    forecast.kv_headroom_blocks, forecast.typical_footprint = 5, 2
-    ac = AdmissionController(AdmissionConfig(queue_target_s=0.3), clock, lambda: forecast)
-    assert ac.admit(["long0"], [1], blocks=[10]).admitted
-    clock.now += 0.2
-    assert ac.admit(["long1"], [1], blocks=[10]).admitted
-    clock.now += 0.2
-    late = ac.admit(["long2"], [1], blocks=[10])
-    assert not late.admitted and late.held_for_room and not late.sheds_priority
-    assert late.predicted_wait_s == pytest.approx(0.4) and late.retry_after_s >= 1
-    assert ac.admit(["short"], [1], blocks=[2]).admitted
-    forecast.kv_headroom_blocks = 40  # room again: none is held
-    assert ac.admit(["long3"], [1], blocks=[10]).admitted
