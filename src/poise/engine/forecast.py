@@ -87,24 +87,9 @@ class SlotForecast:
     def fits_now(self, blocks: int) -> bool:
         """Whether a request of ``blocks`` fits the headroom now, with what it must leave for
         others, blocks and running slots (as the scheduler starts it)."""
-        crowding = crowds_out(blocks, self.typical_footprint, self.free_slots)
-        return self.fits_pool(blocks) and not crowding
-
-    def fits_pool(self, blocks: int) -> bool:
-        """Whether a request of ``blocks`` fits the pool's headroom now, with what it must
-        leave for others (blocks only, not slots)."""
         own = blocks + room_left_for_others(blocks, self.typical_footprint)
-        return own <= self.kv_headroom_blocks
-
-    def held_for_room(self, blocks: int) -> bool:
-        """Whether a waiting request of ``blocks`` is one the scheduler starts others past:
-        larger than the typical request and short of room in the pool (with the headroom
-        rule; in strict order it holds everyone behind it)."""
-        return (
-            self.preempts_for_room
-            and blocks > self.typical_footprint
-            and not self.fits_pool(blocks)
-        )
+        crowding = crowds_out(blocks, self.typical_footprint, self.free_slots)
+        return own <= self.kv_headroom_blocks and not crowding
 
     def kv_wait_s(self, blocks: int, priority: int | None = None, own: int = 0) -> float:
         """Seconds until the pool has ``blocks`` of headroom, as running requests end; for a

@@ -56,7 +56,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
@@ -90,11 +90,6 @@ class Forecast(Protocol):
     def fits_now(self, blocks: int) -> bool:
         """Whether a request of ``blocks`` would start now as far as the KV pool and the
         running slots a large request must leave to others go."""
-        ...
-
-    def held_for_room(self, blocks: int) -> bool:
-        """Whether a waiting request of ``blocks`` is larger than the typical one and short of
-        room in the pool, so that the engine starts others past it."""
         ...
 
 
@@ -422,22 +417,22 @@ class AdmissionController:
             return shed
         return None
 
-    def _startable_waiting(self, tickets: Iterable[Ticket] | None = None) -> bool:
-        """Whether one of ``tickets`` (those waiting) could start now: one not held for room in
-        the pool (``Forecast.held_for_room``: the engine starts others past it). A queue of
-        only held ones is idle for the start rate: on a short pool, long prompts waiting for
-        room made every gap between short requests' arrivals a sample of it, and a short one
-        behind another was predicted to wait that gap and refused."""
-        tickets = self.waiting.values() if tickets is None else tickets
+    def _startable_waiting(self) -> bool:
+        """Whether a waiting request could start now: one not held for room (larger than the
+        typical request and short of room in the pool, which the engine starts others past).
+        A queue of only held ones is idle for the start rate: on a short pool, long prompts
+        waiting for room made every gap between short requests' arrivals a sample of it, and
+        a short one behind another was predicted to wait that gap and refused."""
         if self.forecast is None:
-            return any(True for _ in tickets)
+            return bool(self.waiting)
         forecast = self.forecast()
-        return any(not forecast.held_for_room(t.blocks) for t in tickets)
+        typical = forecast.typical_footprint
+        return any(
+            t.blocks <= typical or forecast.fits_now(t.blocks) for t in self.waiting.values()
+        )
 
     def _enqueue(self, tickets: list[Ticket]) -> None:
-        # Only a newcomer that could start makes an idle queue busy: one held for room
-        # arriving behind others held leaves the stall timed from the last start.
-        if self._startable_waiting(tickets) and not self._startable_waiting():
+        if tickets and not self._startable_waiting():
             # The queue was idle: a stall is timed from now, not from before the idle time. The
             # first start is no sample of the rate: arrival to start is the engine's latency
             # (a step or two), which every request ahead shares, not a time each one adds;

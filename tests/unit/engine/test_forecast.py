@@ -1,7 +1,6 @@
 """The slot forecast: when the k-th waiting request gets a running slot."""
 
 import itertools
-from dataclasses import replace
 
 import pytest
 from hypothesis import given
@@ -169,16 +168,3 @@ def test_a_request_that_runs_to_max_tokens_is_projected_whole():
     assert fc.kv_headroom_blocks == 100 - (25 - 14)
     assert fc.footprint_blocks(200, 200, exact=True) == 25
     assert fc.footprint_blocks(200, 200) == 15  # 200 + a typical 30
-
-
-def test_a_request_is_held_for_room_in_the_pool_not_for_slots() -> None:
-    """Held for room (the scheduler starts others past it): larger than the typical request and
-    short of headroom once it leaves four typical ones room. A large request that fits the
-    pool but not the last running slots is not held for room; in strict order nobody is."""
-    f = SlotForecaster(max_num_seqs=8)
-    f.observe_step(0.05)
-    fc = replace(f.forecast(rs([(0, 8)] * 5)), kv_headroom_blocks=30, typical_footprint=3)
-    assert fc.held_for_room(20)  # 20 + 4 * 3 > 30
-    assert not fc.held_for_room(3)  # the typical request is never held
-    assert not fc.held_for_room(10) and not fc.fits_now(10)  # fits the pool; 3 slots free
-    assert not replace(fc, preempts_for_room=False).held_for_room(20)

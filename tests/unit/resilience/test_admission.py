@@ -42,9 +42,6 @@ class FakeForecast:
     def fits_now(self, blocks: int) -> bool:
         return blocks <= self.kv_headroom_blocks
 
-    def held_for_room(self, blocks: int) -> bool:
-        return blocks > self.typical_footprint and not self.fits_now(blocks)
-
 
 def make(**config) -> tuple[AdmissionController, Clock]:
     clock = Clock()
@@ -473,7 +470,7 @@ def test_gaps_between_starts_past_requests_held_for_room_are_no_start_rate():
     is predicted to wait for about a step, not the 0.5 s gap, and is admitted."""
     clock = Clock()
     forecast = ShortPool(wait=0.0)
-    forecast.kv_headroom_blocks, forecast.typical_footprint = 5, 2
+    forecast.kv_headroom_blocks = 5
     ac = AdmissionController(AdmissionConfig(queue_target_s=0.3), clock, lambda: forecast)
     for i in range(2):
         clock.now += 0.15
@@ -487,8 +484,7 @@ def test_gaps_between_starts_past_requests_held_for_room_are_no_start_rate():
     clock.now += 0.5
     assert ac.admit(["ahead"], [1], blocks=[2]).admitted
     clock.now += 0.01
-    # Its client gives it 0.3 s to start: the gap would have refused it for its deadline.
-    behind = ac.admit(["behind"], [1], blocks=[2], deadline=clock.now + 0.3)
+    behind = ac.admit(["behind"], [1], blocks=[2])
     assert behind.admitted and behind.predicted_wait_s < 0.05
     # Once short ones queue behind each other, their gaps are the rate again.
     clock.now += 0.2
