@@ -349,7 +349,7 @@ class AdmissionController:
         if self._last_start is not None and self._queue_busy_since_last_start:
             self._intervals.append((now, max(0.0, now - self._last_start)))
         self._last_start = now
-        self._queue_busy_since_last_start = self._startable_waiting()
+        self._queue_busy_since_last_start = bool(self.waiting)
         return error
 
     def wait_error(self, priority: int) -> float:
@@ -417,22 +417,8 @@ class AdmissionController:
             return shed
         return None
 
-    def _startable_waiting(self) -> bool:
-        """Whether a waiting request could start now: one not held for room (larger than the
-        typical request and short of room in the pool, which the engine starts others past).
-        A queue of only held ones is idle for the start rate: on a short pool, long prompts
-        waiting for room made every gap between short requests' arrivals a sample of it, and
-        a short one behind another was predicted to wait that gap and refused."""
-        if self.forecast is None:
-            return bool(self.waiting)
-        forecast = self.forecast()
-        typical = forecast.typical_footprint
-        return any(
-            t.blocks <= typical or forecast.fits_now(t.blocks) for t in self.waiting.values()
-        )
-
     def _enqueue(self, tickets: list[Ticket]) -> None:
-        if tickets and not self._startable_waiting():
+        if not self.waiting and tickets:
             # The queue was idle: a stall is timed from now, not from before the idle time. The
             # first start is no sample of the rate: arrival to start is the engine's latency
             # (a step or two), which every request ahead shares, not a time each one adds;

@@ -461,34 +461,3 @@ def test_long_requests_waiting_for_room_do_not_fill_the_queue_short_ones_join():
     refused = ac.admit(["long4"], [1], blocks=[10])
     assert not refused.admitted and refused.reason == "overloaded"
     assert not refused.sheds_priority
-
-
-def test_gaps_between_starts_past_requests_held_for_room_are_no_start_rate():
-    """Two long requests wait for room on a short pool (10 blocks each, 5 free) while short
-    ones arrive 0.5 s apart and each starts 50 ms later, past them. Those gaps are the
-    arrivals' pace, not the engine's: a short request arriving just behind one not yet started
-    is predicted to wait for about a step, not the 0.5 s gap, and is admitted."""
-    clock = Clock()
-    forecast = ShortPool(wait=0.0)
-    forecast.kv_headroom_blocks = 5
-    ac = AdmissionController(AdmissionConfig(queue_target_s=0.3), clock, lambda: forecast)
-    for i in range(2):
-        clock.now += 0.15
-        assert ac.admit([f"long{i}"], [1], blocks=[10]).admitted
-    for i in range(8):
-        clock.now += 0.5
-        assert ac.admit([f"short{i}"], [1], blocks=[2]).admitted
-        clock.now += 0.05
-        ac.started(f"short{i}")
-    assert ac.mean_start_interval_s is None
-    clock.now += 0.5
-    assert ac.admit(["ahead"], [1], blocks=[2]).admitted
-    clock.now += 0.01
-    behind = ac.admit(["behind"], [1], blocks=[2])
-    assert behind.admitted and behind.predicted_wait_s < 0.05
-    # Once short ones queue behind each other, their gaps are the rate again.
-    clock.now += 0.2
-    ac.started("ahead")
-    clock.now += 0.2
-    ac.started("behind")
-    assert ac.mean_start_interval_s == pytest.approx(0.2)
