@@ -292,8 +292,8 @@ def recovery_time(sents: list[Sent], plan: Plan, baseline: float | None) -> floa
     # as a recovery takes, with none after them, are (after kv-exhaustion the restored pool let
     # the long requests in, and TTFT rose for ten seconds to the end of the run: that was no
     # recovery at the fault).
-    relapse = [not any(healthy[i : i + STABLE_WINDOWS]) for i in range(back, len(healthy))]
-    if any(r and i + STABLE_WINDOWS <= len(healthy) - back for i, r in enumerate(relapse)):
+    last_start = len(healthy) - STABLE_WINDOWS
+    if any(not any(healthy[i : i + STABLE_WINDOWS]) for i in range(back, last_start + 1)):
         return None
     return back * WINDOW_S
 
