@@ -61,6 +61,7 @@ from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from poise.resilience.queue_trend import PriorityTrends, TrendConfig
+from poise.resilience.start_pace import StartPace
 
 # Under a flood, a request that would fill more than this many times the KV blocks of the
 # typical request is refused whatever its wait: the requests that want the most are
@@ -90,6 +91,11 @@ class Forecast(Protocol):
     def fits_now(self, blocks: int) -> bool:
         """Whether a request of ``blocks`` would start now as far as the KV pool and the
         running slots a large request must leave to others go."""
+        ...
+
+    def fit_together(self, blocks: int) -> int:
+        """How many requests of ``blocks`` the pool holds at once once every running request
+        has ended, with what large requests leave to others (at least 1)."""
         ...
 
 
@@ -122,12 +128,24 @@ class AdmissionConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class Need:
+    """What one request of a group takes once it starts."""
+
+    blocks: int = 0  # the KV blocks it is projected to fill (0: not told)
+    hold_s: float = 0.0  # how long it is expected to hold them: its output at today's step time
+    exact: bool = False  # it runs to its max_tokens: hold_s is what it needs before its deadline
+
+
+@dataclass(frozen=True, slots=True)
 class Ticket:
     key: str
     prompt_tokens: int
     priority: int
     arrival: float
     blocks: int = 0  # the KV blocks it is projected to fill (0: not told)
+    hold_s: float = 0.0  # ... and for how long, once started
+    exact: bool = False  # ... which it needs before its deadline
+    large: bool = False  # more than BIG_FACTOR times the typical request: it waits for room
     predicted: float = 0.0  # its wait as predicted at admission
     teaches: bool = False  # its actual wait is a sample of the predictions' error
     counted: bool = True  # an arrival the queue's trend counted (a continuation is not)
@@ -165,9 +183,12 @@ class AdmissionController:
         self.trends = PriorityTrends(config.trend, clock)
         self.waiting: dict[str, Ticket] = {}
         self.waiting_tokens = 0
-        self._intervals: deque[tuple[float, float]] = deque(maxlen=config.rate_window)  # (at, s)
-        self._last_start: float | None = None
-        self._queue_busy_since_last_start = False
+        # The pace of typical starts and of large ones (False, True), measured apart: large
+        # requests wait for room in the pool while smaller ones start past them.
+        self._pace = {
+            large: StartPace(config.rate_window, config.rate_max_age_s, clock)
+            for large in (False, True)
+        }
         self._errors: dict[int, deque[float]] = {}  # by priority
 
     # ----- what the server asks -----
@@ -185,28 +206,56 @@ class AdmissionController:
 
     def predicted_wait(self, priority: int, group_size: int = 1, group_blocks: int = 0) -> float:
         """Seconds until a group of this priority (filling ``group_blocks`` of KV), arriving
-        now, would start: the more pessimistic of the measured start rate and the server's
-        forecast of slots and blocks for its last member."""
+        now, would start: the most pessimistic of the measured start paces, the server's
+        forecast of slots and blocks for its last member, and (for a large request) the time
+        the large requests held for room ahead of it will hold the pool."""
         ahead = [t for t in self.waiting.values() if t.priority <= priority]
-        by_slots = 0.0
-        paced = len(ahead)
+        by_slots = by_held = 0.0
+        preemptible = 0
+        held_itself = False  # a large group that does not fit now: its own start is paced too
         if self.forecast is not None:
             forecast = self.forecast()
             # The engine starts smaller requests past one that does not fit the pool: those
             # ahead that are larger than this group's own and do not fit now are no wait.
             own = -(-group_blocks // max(1, group_size))
+            held = [t for t in ahead if t.large and not forecast.fits_now(t.blocks)]
             ahead = [t for t in ahead if t.blocks <= own or forecast.fits_now(t.blocks)]
             blocks = group_blocks + sum(t.blocks for t in ahead)
             by_slots = forecast.wait_s(len(ahead) + group_size, priority, blocks, own)
-            # Those ahead that will take a lower priority's slot do not wait for the pace of
-            # starts (which the lower priority's long outputs set).
-            paced = min(
-                len(ahead), max(0, len(ahead) + group_size - 1 - forecast.preemptible(priority))
+            preemptible = forecast.preemptible(priority)
+            # Held large requests no larger than this one start before it, each holding the
+            # pool for its run: on a short pool one at a time, and the smaller requests that
+            # start past them meanwhile make it no sooner.
+            before = [t for t in held if t.blocks <= own]
+            if before:
+                by_held = sum(t.hold_s for t in before) / forecast.fit_together(own)
+            typical = forecast.typical_footprint
+            held_itself = (
+                bool(typical) and own > BIG_FACTOR * typical and not forecast.fits_now(own)
             )
-        by_rate = (
-            max(paced * (self.mean_start_interval_s or 0.0), self._stalled_s()) if paced else 0.0
+        else:
+            held = []
+        # Those ahead that will take a lower priority's slot do not wait for the pace of
+        # starts (which the lower priority's long outputs set).
+        paced = min(len(ahead), max(0, len(ahead) + group_size - 1 - preemptible))
+        held_keys = {t.key for t in held}
+        paced_held = min(paced, sum(1 for t in ahead if t.key in held_keys))
+        by_rate = max(
+            self._paced_s(False, paced - paced_held),
+            self._paced_s(True, paced_held + (group_size if held_itself else 0)),
         )
-        return max(by_slots, by_rate)
+        return max(by_slots, by_rate, by_held)
+
+    def _paced_s(self, large: bool, count: int) -> float:
+        """The wait behind ``count`` of a kind at its measured pace, and at least as long as
+        that kind has gone without a start."""
+        if not count:
+            return 0.0
+        pace = self._pace[large]
+        waiting = any(t.large == large for t in self.waiting.values())
+        stalled = pace.stalled_s(waiting)
+        interval = pace.interval_s(waiting) if large else pace.mean_interval_s
+        return max(count * (interval or 0.0), stalled)
 
     def admit(
         self,
@@ -215,9 +264,12 @@ class AdmissionController:
         priority: int = 0,
         deadline: float | None = None,
         continuation: bool = False,
-        blocks: Sequence[int] | None = None,
+        needs: Sequence[Need] | None = None,
     ) -> Decision:
         """Admit a group (the n choices of one HTTP request) whole, or none of it.
+
+        ``deadline``: when it must be done; one that runs to its max_tokens (``Need.exact``)
+        must start that long before it.
 
         ``continuation``: the rest of a generation that was admitted elsewhere and lost its
         replica mid-stream. Its client already has its first token, so the predicted-wait
@@ -226,7 +278,8 @@ class AdmissionController:
         if len(keys) != len(prompt_tokens) or not keys:
             raise ValueError("one prompt length per key, at least one key")
         now = self.clock()
-        blocks = blocks or [0] * len(keys)
+        needs = needs or [Need()] * len(keys)
+        blocks = [need.blocks for need in needs]
         wait = self.predicted_wait(priority, len(keys), sum(blocks))
         target = self.config.queue_target_s
         # A burst's members, waits far from the target, and requests larger than the typical
@@ -238,8 +291,20 @@ class AdmissionController:
             and (not typical or max(blocks) <= typical)
         )
         tickets = [
-            Ticket(k, n, priority, now, b, wait, teaches, counted=not continuation)
-            for k, n, b in zip(keys, prompt_tokens, blocks, strict=True)
+            Ticket(
+                k,
+                n,
+                priority,
+                now,
+                need.blocks,
+                need.hold_s,
+                need.exact,
+                large=bool(typical) and need.blocks > BIG_FACTOR * typical,
+                predicted=wait,
+                teaches=teaches,
+                counted=not continuation,
+            )
+            for k, n, need in zip(keys, prompt_tokens, needs, strict=True)
         ]
         if not self.config.enabled:
             self._enqueue(tickets)
@@ -284,8 +349,15 @@ class AdmissionController:
         trend.arrival(
             count, long, 1.0 / interval if interval else None, self.trends.outranked(priority)
         )
-        if deadline is not None and wait >= deadline - self.clock():
-            return self._refuse("deadline", wait, wait)
+        if deadline is not None:
+            left = deadline - self.clock()
+            run = max((t.hold_s for t in tickets if t.exact), default=0.0)
+            if wait + run >= left:
+                if self.predicted_wait(priority) < left:
+                    # A request of no size or length would have been taken: long requests
+                    # refused for their own length made the short ones' queue look filling.
+                    trend.withdraw(count)
+                return self._refuse("deadline", wait, wait)
         passed = self._passed(priority, max(t.blocks for t in tickets))
         if (long or big) and not trend.in_burst and self.trends.filling(priority, passed):
             assert target is not None
@@ -346,10 +418,8 @@ class AdmissionController:
         if ticket.teaches:
             self._errors.setdefault(ticket.priority, deque(maxlen=self.config.error_window))
             self._errors[ticket.priority].append(error)
-        if self._last_start is not None and self._queue_busy_since_last_start:
-            self._intervals.append((now, max(0.0, now - self._last_start)))
-        self._last_start = now
-        self._queue_busy_since_last_start = bool(self.waiting)
+        kind = ticket.large
+        self._pace[kind].started(any(t.large == kind for t in self.waiting.values()))
         return error
 
     def wait_error(self, priority: int) -> float:
@@ -374,27 +444,26 @@ class AdmissionController:
 
     @property
     def mean_start_interval_s(self) -> float | None:
-        horizon = self.clock() - self.config.rate_max_age_s
-        while self._intervals and self._intervals[0][0] < horizon:
-            self._intervals.popleft()
-        if not self._intervals:
-            return None
-        return sum(s for _, s in self._intervals) / len(self._intervals)
+        """The typical requests' mean interval between starts (None: not measured lately)."""
+        return self._pace[False].mean_interval_s
+
+    def paces(self) -> dict[str, dict[str, float | int | None]]:
+        """Each kind's measured pace of starts, its stall and how many of it wait (for
+        ``/debug/state``)."""
+        out: dict[str, dict[str, float | int | None]] = {}
+        for large, name in ((False, "typical"), (True, "large")):
+            waiting = sum(1 for t in self.waiting.values() if t.large == large)
+            pace = self._pace[large]
+            out[name] = {
+                "waiting": waiting,
+                "mean_interval_s": pace.mean_interval_s,
+                "stalled_s": round(pace.stalled_s(bool(waiting)), 3),
+            }
+        return out
 
     # ----- inside -----
     def _interval_estimate(self) -> float:
-        return max(self.mean_start_interval_s or 0.0, self._stalled_s())
-
-    def _stalled_s(self) -> float:
-        """How long the queue has gone without a start: a lower bound on anyone's wait.
-
-        Not multiplied by the requests ahead: an engine starts the waiting requests of a step
-        together, so a pause between starts says the next batch is late, not that each
-        request ahead will take that long again (which refused work a tiny model would have
-        served in a tenth of the budget)."""
-        if self.waiting and self._last_start is not None:
-            return self.clock() - self._last_start
-        return 0.0
+        return self._paced_s(False, 1)
 
     def _make_room(self, count: int, tokens: int, priority: int) -> list[Ticket] | None:
         c = self.config
@@ -418,14 +487,13 @@ class AdmissionController:
         return None
 
     def _enqueue(self, tickets: list[Ticket]) -> None:
-        if not self.waiting and tickets:
-            # The queue was idle: a stall is timed from now, not from before the idle time. The
-            # first start is no sample of the rate: arrival to start is the engine's latency
-            # (a step or two), which every request ahead shares, not a time each one adds;
-            # counted, an idle tiny model's 100 ms made four requests ahead "wait" 0.4 s.
-            self._last_start = tickets[0].arrival
-            self._queue_busy_since_last_start = False
         for ticket in tickets:
+            if not any(t.large == ticket.large for t in self.waiting.values()):
+                # None of its kind waited: a stall is timed from now, not from before the idle
+                # time, and the first start is no sample of the pace (arrival to start is the
+                # engine's latency, a step or two, which every request ahead shares; counted,
+                # an idle tiny model's 100 ms made four requests ahead "wait" 0.4 s).
+                self._pace[ticket.large].queued(ticket.arrival)
             self.waiting[ticket.key] = ticket
             self.waiting_tokens += ticket.prompt_tokens
 

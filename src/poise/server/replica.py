@@ -24,7 +24,7 @@ from poise.engine.intake import RequestOptions, Resume
 from poise.engine.outputs import RequestOutput
 from poise.engine.request import Request, SamplingParams
 from poise.protocol import SHEDDING_HEADER, APIError, deadline_budget_s
-from poise.resilience.admission import AdmissionConfig, AdmissionController
+from poise.resilience.admission import AdmissionConfig, AdmissionController, Need
 from poise.resilience.queue_trend import TrendConfig
 from poise.server.access import RequestReport
 from poise.server.metrics import EngineSnapshot, ServerMetrics
@@ -94,6 +94,7 @@ class Replica:
         )
         self.metrics = ServerMetrics(self.model_name, self.snapshot)
         self.inflight: dict[str, _InFlight] = {}
+        self.token_interval_s: float | None = None  # recent seconds per token a stream saw
         # Fault injection (``error_status``): every API request is answered with this status,
         # as a bad deploy or a broken dependency would; 0 is off.
         self.injected_error_status = 0
@@ -165,6 +166,8 @@ class Replica:
                 "step_errors_total": stats.step_errors,
                 "seconds_since_progress": round(self.clock() - self.engine.last_progress, 3),
                 "has_work": self.engine.has_work,
+                "step_s": round(stats.forecast.step_s, 4),  # the forecast's recent step time
+                "token_interval_s": self.token_interval_s,
                 "max_running": stats.max_running,
                 "running_by_priority": stats.running_by_priority,
                 "waiting_by_priority": stats.waiting_by_priority,
@@ -197,6 +200,7 @@ class Replica:
                 "queue_state": self.admission.trends.state,
                 "wait_error_s": round(self.admission.wait_error(0), 4),
                 "arrived_started": list(self.admission.trends.counts()),
+                "start_pace": self.admission.paces(),
             },
             "inflight_requests": len(self.inflight),
         }
@@ -297,20 +301,22 @@ class Replica:
         """Admit the whole group or raise 429; sheds lower-priority waiting work if it must.
         A continuation (a resumed stream) skips the predicted-wait bounds, not the queue's."""
         forecast = self.engine.stats.forecast
+        requests = [p.request for p in group]
+        needs = [
+            Need(
+                forecast.footprint_blocks(r.num_prompt_tokens, r.max_tokens, r.runs_to_max_tokens),
+                forecast.run_s(r.max_tokens, r.runs_to_max_tokens),
+                r.runs_to_max_tokens,
+            )
+            for r in requests
+        ]
         decision = self.admission.admit(
-            [p.request.request_id for p in group],
-            [p.request.num_prompt_tokens for p in group],
+            [r.request_id for r in requests],
+            [r.num_prompt_tokens for r in requests],
             priority,
             deadline,
             continuation,
-            [
-                forecast.footprint_blocks(
-                    p.request.num_prompt_tokens,
-                    p.request.max_tokens,
-                    p.request.runs_to_max_tokens,
-                )
-                for p in group
-            ],
+            needs,
         )
         if not decision.admitted:
             reason = decision.reason or "overloaded"
@@ -318,7 +324,8 @@ class Replica:
             headers = {"Retry-After": str(int(decision.retry_after_s))}
             if decision.sheds_priority:
                 headers[SHEDDING_HEADER] = str(priority)
-            message = self._refusal_message(reason, decision.predicted_wait_s, priority)
+            run_s = max((n.hold_s for n in needs if n.exact), default=0.0)
+            message = self._refusal_message(reason, decision.predicted_wait_s, priority, run_s)
             if decision.large:
                 message = (
                     "the server is overloaded, and this request wants more than twice the KV "
@@ -337,7 +344,11 @@ class Replica:
                 )
             self.engine.abort(key)
 
-    def _refusal_message(self, reason: str, wait: float, priority: int) -> str:
+    def _observe_token_interval(self, seconds: float) -> None:
+        last = self.token_interval_s
+        self.token_interval_s = seconds if last is None else last + 0.02 * (seconds - last)
+
+    def _refusal_message(self, reason: str, wait: float, priority: int, run_s: float) -> str:
         waiting = len(self.admission.waiting)
         if reason == "overloaded":
             arrived, started = self.admission.trends.counts(priority)
@@ -347,6 +358,12 @@ class Replica:
                 f"over the last {self.admission.config.trend.interval_s:g}s, and this one would "
                 f"wait {wait:.2f}s (more than {self.settings.queue_target_s:g}s) behind "
                 f"{waiting} waiting"
+            )
+        if reason == "deadline" and run_s:
+            return (
+                f"the request cannot finish before its deadline: predicted to start in "
+                f"{wait:.2f}s behind {waiting} waiting, and its max_tokens take about "
+                f"{run_s:.2f}s more"
             )
         if reason == "deadline":
             return (
@@ -404,7 +421,9 @@ class Replica:
                                 m.wait_error.labels(model).observe(error)
                             m.ttft.labels(model).observe(now - tracked.arrival)
                         elif tracked.last_token is not None:
-                            m.itl.labels(model).observe((now - tracked.last_token) / new)
+                            itl = (now - tracked.last_token) / new
+                            m.itl.labels(model).observe(itl)
+                            self._observe_token_interval(itl)
                         tracked.last_token = now
                         m.generation_tokens.labels(model).inc(new)
                     if not out.finished:

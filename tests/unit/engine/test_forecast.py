@@ -168,3 +168,29 @@ def test_a_request_that_runs_to_max_tokens_is_projected_whole():
     assert fc.kv_headroom_blocks == 100 - (25 - 14)
     assert fc.footprint_blocks(200, 200, exact=True) == 25
     assert fc.footprint_blocks(200, 200) == 15  # 200 + a typical 30
+
+
+def test_a_request_runs_its_output_at_the_step_time_and_a_short_pool_holds_one_long_one():
+    """A request to run to 200 tokens needs 200 steps; one that may end early needs its
+    typical output. How many long requests (25 blocks) fit at once counts the headroom and
+    what the long ones running give back, not the short ones' blocks, which new short
+    requests take again."""
+    f = SlotForecaster(max_num_seqs=32)
+    f.observe_step(0.05)
+    for _ in range(50):
+        f.observe_finished(30)
+    pool = PoolView(free_blocks=30, block_size=16)
+    shorts = [Running(10, 30, prompt_tokens=24, held_blocks=3, exact=True)] * 20
+    fc = f.forecast(shorts, pool=pool, typical_footprint=4)
+    assert fc.run_s(200, exact=True) == pytest.approx(200 * 0.05)
+    assert fc.run_s(200) == pytest.approx(30 * 0.05)
+    assert fc.kv_headroom_blocks == 30 - 20 * 1
+    # 10 blocks of headroom less 16 left to four typical ones: not even one, yet at least one.
+    assert fc.fit_together(25) == 1
+    # The 60 blocks the short ones give back are not counted; a long one's 25 are.
+    long = Running(10, 200, prompt_tokens=200, held_blocks=14, exact=True)
+    roomy = f.forecast(
+        [*shorts, long], pool=PoolView(free_blocks=100, block_size=16), typical_footprint=4
+    )
+    assert roomy.kv_headroom_blocks == 100 - 20 - 11
+    assert roomy.fit_together(25) == (69 + 25 - 16) // 25

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from poise.resilience.admission import AdmissionConfig, AdmissionController
+from poise.resilience.admission import AdmissionConfig, AdmissionController, Need
 
 
 class Clock:
@@ -38,9 +38,17 @@ class FakeForecast:
 
     typical_footprint = 0
     kv_headroom_blocks = 1 << 30
+    together = 1  # how many large requests the pool holds at once
 
     def fits_now(self, blocks: int) -> bool:
         return blocks <= self.kv_headroom_blocks
+
+    def fit_together(self, blocks: int) -> int:
+        return self.together
+
+
+def blocks(*each: int) -> list[Need]:
+    return [Need(b) for b in each]
 
 
 def make(**config) -> tuple[AdmissionController, Clock]:
@@ -183,12 +191,12 @@ def test_the_servers_slot_forecast_overrides_an_optimistic_start_rate():
     clock = Clock()
     forecast = FakeForecast()
     ac = AdmissionController(AdmissionConfig(queue_target_s=0.5), clock, lambda: forecast)
-    ac.admit(["a", "b"], [1, 1], blocks=[3, 4])
+    ac.admit(["a", "b"], [1, 1], needs=blocks(3, 4))
     clock.now += 0.1
     ac.started("a")
     clock.now += 0.1
     ac.started("b")
-    ac.admit(["c"], [1], blocks=[3])
+    ac.admit(["c"], [1], needs=blocks(3))
     assert ac.predicted_wait(0) == pytest.approx(0.1)
     forecast.wait = 3.0
     assert ac.predicted_wait(0) == pytest.approx(3.0)
@@ -198,7 +206,7 @@ def test_the_servers_slot_forecast_overrides_an_optimistic_start_rate():
     # One larger than its own that does not fit the pool now is no wait: the engine starts
     # smaller requests past it. One that fits is.
     forecast.kv_headroom_blocks = 10
-    ac.admit(["huge"], [1], blocks=[40])
+    ac.admit(["huge"], [1], needs=blocks(40))
     ac.predicted_wait(2, group_size=2, group_blocks=6)
     assert forecast.asked[-1] == (3, 2, 9)
     forecast.kv_headroom_blocks = 50
@@ -287,7 +295,7 @@ def flood(ac: AdmissionController, clock: Clock, priority: int = 0, n: int = 30)
     deadline is already here): the queue stays empty, and fills all the same."""
     for i in range(n):
         clock.now += 0.15
-        ac.admit([f"flood{priority}-{i}"], [1], priority=priority, blocks=[2])
+        ac.admit([f"flood{priority}-{i}"], [1], priority=priority, needs=blocks(2))
         ac.started(f"flood{priority}-{i}")
         for j in range(2):
             ac.admit([f"late{priority}-{i}-{j}"], [1], priority=priority, deadline=clock.now)
@@ -303,19 +311,19 @@ def test_under_a_flood_the_largest_requests_are_refused_first_and_named_so():
     ac = AdmissionController(AdmissionConfig(queue_target_s=0.5), clock, lambda: forecast)
     flood(ac, clock)
     assert ac.trends.filling(0)
-    big = ac.admit(["big"], [1], blocks=[10])
+    big = ac.admit(["big"], [1], needs=blocks(10))
     assert not big.admitted and big.reason == "overloaded" and big.large
     assert not big.sheds_priority
-    assert ac.admit(["small"], [1], blocks=[2]).admitted
+    assert ac.admit(["small"], [1], needs=blocks(2)).admitted
     # An interactive request amid a batch flood is not shed for its size: it takes a batch
     # request's place instead.
     forecast.running = [10, 10]
-    assert ac.admit(["vip"], [1], priority=0, blocks=[10]).admitted
+    assert ac.admit(["vip"], [1], priority=0, needs=blocks(10)).admitted
     # With no target, nothing is refused for its size either.
     ac2 = AdmissionController(AdmissionConfig(), clock, lambda: forecast)
     forecast.running = []
     flood(ac2, clock)
-    assert ac2.admit(["big2"], [1], blocks=[10]).admitted
+    assert ac2.admit(["big2"], [1], needs=blocks(10)).admitted
 
 
 def test_a_refusal_says_when_the_whole_priority_is_shed_and_then_the_queue_stays_filling():
@@ -323,7 +331,7 @@ def test_a_refusal_says_when_the_whole_priority_is_shed_and_then_the_queue_stays
     forecast = FakeForecast(wait=2.0)  # every place is 2 s away: any newcomer would wait
     ac = AdmissionController(AdmissionConfig(queue_target_s=0.5), clock, lambda: forecast)
     flood(ac, clock)
-    refused = ac.admit(["late"], [1], blocks=[2])
+    refused = ac.admit(["late"], [1], needs=blocks(2))
     assert not refused.admitted and refused.sheds_priority and not refused.large
     # The gateway now holds such requests back: fewer arrive, yet the queue counts as filling.
     clock.now += 4.0
@@ -350,17 +358,17 @@ def test_a_batch_flood_fills_the_batch_queue_not_the_interactive_one():
     flood(ac, clock, priority=10)
     for i in range(8):
         clock.now += 0.3
-        assert ac.admit([f"i{i}"], [1], priority=0, blocks=[2]).admitted
+        assert ac.admit([f"i{i}"], [1], priority=0, needs=blocks(2)).admitted
         ac.started(f"i{i}")
     assert ac.trends.filling(10) and not ac.trends.filling(0)
-    assert not ac.admit(["b"], [1], priority=10, blocks=[2]).admitted
-    assert ac.admit(["i"], [1], priority=0, blocks=[2]).admitted
+    assert not ac.admit(["b"], [1], priority=10, needs=blocks(2)).admitted
+    assert ac.admit(["i"], [1], priority=0, needs=blocks(2)).admitted
     arrived, started = ac.trends.counts(0)
     assert (arrived, started) == (9, 8)
     ac2 = AdmissionController(AdmissionConfig(queue_target_s=0.5), clock, lambda: forecast)
     flood(ac2, clock, priority=0)
     assert ac2.trends.filling(0) and ac2.trends.filling(10)
-    assert not ac2.admit(["i"], [1], priority=0, blocks=[2]).admitted
+    assert not ac2.admit(["i"], [1], priority=0, needs=blocks(2)).admitted
 
 
 def test_the_error_margin_learns_per_priority_from_typical_requests_and_stays_under_half():
@@ -388,7 +396,7 @@ def test_the_error_margin_learns_per_priority_from_typical_requests_and_stays_un
     # A request larger than the typical one (it waits for room by design) teaches nothing.
     forecast.typical_footprint = 2
     before = list(ac._errors[0])
-    ac.admit(["huge"], [1], blocks=[30])
+    ac.admit(["huge"], [1], needs=blocks(30))
     clock.now += 9.0
     ac.started("huge")
     assert list(ac._errors[0]) == before
@@ -423,10 +431,10 @@ def test_a_request_refused_for_its_own_size_is_no_demand_on_the_queue():
     ac = AdmissionController(AdmissionConfig(queue_target_s=0.5), clock, lambda: forecast)
     flood(ac, clock)
     before = ac.trends.counts(0)
-    big = ac.admit(["big"], [1], blocks=[10])
+    big = ac.admit(["big"], [1], needs=blocks(10))
     assert not big.admitted and big.large and ac.trends.counts(0) == before
     forecast.wait = 2.0  # now any newcomer would wait: the whole priority is refused
-    late = ac.admit(["late"], [1], blocks=[2])
+    late = ac.admit(["late"], [1], needs=blocks(2))
     assert not late.admitted and late.sheds_priority
     assert ac.trends.counts(0) == (before[0] + 1, before[1])
 
@@ -454,10 +462,65 @@ def test_long_requests_waiting_for_room_do_not_fill_the_queue_short_ones_join():
     ac = AdmissionController(AdmissionConfig(queue_target_s=0.5), clock, lambda: forecast)
     for i in range(4):
         clock.now += 0.15  # apart: no burst
-        assert ac.admit([f"long{i}"], [1], blocks=[10]).admitted
+        assert ac.admit([f"long{i}"], [1], needs=blocks(10)).admitted
     forecast.wait, forecast.kv_headroom_blocks = 1.0, 5  # the pool is short now
     assert ac.trends.filling(0)  # four arrived, none started: past the slack of two
-    assert ac.admit(["short"], [1], blocks=[2]).admitted
-    refused = ac.admit(["long4"], [1], blocks=[10])
+    assert ac.admit(["short"], [1], needs=blocks(2)).admitted
+    refused = ac.admit(["long4"], [1], needs=blocks(10))
     assert not refused.admitted and refused.reason == "overloaded"
     assert not refused.sheds_priority
+
+
+def test_short_requests_are_not_paced_by_long_ones_held_for_room():
+    """A long request waits for room in a short pool while short ones arrive half a second
+    apart and start at once. Their gaps are no pace: no short request waited through them
+    (counted, they predicted half a second per short request ahead, and the short ones beside
+    the long one were refused for it)."""
+    clock = Clock()
+    forecast = FakeForecast()
+    forecast.typical_footprint, forecast.kv_headroom_blocks = 2, 5
+    ac = AdmissionController(AdmissionConfig(queue_target_s=0.5), clock, lambda: forecast)
+    assert ac.admit(["long"], [1], needs=[Need(10, 8.0)]).admitted
+    for i in range(10):
+        clock.now += 0.5
+        assert ac.admit([f"s{i}"], [1], needs=blocks(2)).admitted
+        clock.now += 0.05
+        ac.started(f"s{i}")
+    assert ac.mean_start_interval_s is None
+    ac.admit(["s-waiting"], [1], needs=blocks(2))
+    assert ac.predicted_wait(0, 1, 2) == pytest.approx(0.0)
+    assert ac.paces()["large"]["waiting"] == 1
+    assert ac.paces()["large"]["stalled_s"] == pytest.approx(5.5)
+
+
+def test_a_long_request_behind_long_ones_held_for_room_is_refused_for_its_deadline():
+    """Two long requests (10 blocks, 8 s of output each) wait for a pool that holds one at a
+    time. A third, with 20 s to its deadline and 8 s of its own to run, would start after
+    their 16 s: it is refused now, not cut at its deadline; a short request with the same
+    deadline is taken, and the refusal counts as no demand on the short ones' queue."""
+    clock = Clock()
+    forecast = FakeForecast()
+    forecast.typical_footprint, forecast.kv_headroom_blocks = 2, 5
+    ac = AdmissionController(AdmissionConfig(queue_target_s=0.5), clock, lambda: forecast)
+    for i in range(2):
+        clock.now += 0.3
+        assert ac.admit([f"long{i}"], [1], needs=[Need(10, 8.0, exact=True)]).admitted
+    clock.now += 0.3
+    arrived = ac.trends.counts(0)[0]
+    late = ac.admit(["long2"], [1], deadline=clock.now + 20, needs=[Need(10, 8.0, exact=True)])
+    assert not late.admitted and late.reason == "deadline"
+    assert late.predicted_wait_s == pytest.approx(16.0)
+    assert ac.trends.counts(0)[0] == arrived
+    # Were the pool to hold two at once, it would start in 8 s and finish in time.
+    forecast.together = 2
+    assert ac.admit(["long3"], [1], deadline=clock.now + 20, needs=[Need(10, 8.0, True)]).admitted
+    assert ac.admit(["short"], [1], deadline=clock.now + 20, needs=[Need(2, 1.0)]).admitted
+
+
+def test_a_request_that_runs_to_max_tokens_must_finish_by_its_deadline():
+    """Its output's time is known: one needing 5 s is refused 4 s before its deadline, as one
+    that may stop early is not."""
+    ac, clock = make(queue_target_s=0.5)
+    refused = ac.admit(["exact"], [1], deadline=clock.now + 4, needs=[Need(0, 5.0, exact=True)])
+    assert not refused.admitted and refused.reason == "deadline"
+    assert ac.admit(["may-stop"], [1], deadline=clock.now + 4, needs=[Need(0, 5.0)]).admitted
