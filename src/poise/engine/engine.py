@@ -331,6 +331,7 @@ class LLMEngine:
             typical_footprint=self.scheduler.typical_footprint,
         )
         self.scheduler.typical_output = self.forecast.typical_output
+        self.scheduler.step_s = self.forecast.step_s
         return outputs
 
     def _observe_step_time(self, out: SchedulerOutput, seconds: float) -> None:

@@ -49,7 +49,8 @@ be starved by repeated preemption; only when nothing at all could run is the cap
 progress for someone beats fairness for none.
 
 Deadlines are checked at the start of every step: a request past its deadline is finished as
-``timeout`` and its blocks freed before anything is scheduled.
+``timeout`` and its blocks freed before anything is scheduled; so is a waiting request that must
+run to its max_tokens and no longer has the time for them at the recent step time.
 
 The runner learns what to do only from ``SchedulerOutput``; this module never imports torch.
 """
@@ -169,6 +170,8 @@ class Scheduler:
         # Output tokens a request typically produces (the engine's running estimate): projects
         # a request's KV footprint when its max_tokens is far above what it will use.
         self.typical_output: int | None = None
+        # Seconds a busy step takes lately (the engine's estimate; 0: not known).
+        self.step_s = 0.0
         # (prompt tokens, max_tokens, runs to max_tokens) of the last requests started.
         self._started: deque[tuple[int, int, bool]] = deque(maxlen=TYPICAL_WINDOW)
 
@@ -285,6 +288,25 @@ class Scheduler:
         for request in [*self.running, *self.waiting]:
             if request.deadline is not None and now >= request.deadline:
                 self._finish(request, RequestStatus.FINISHED_TIMEOUT, "deadline passed")
+        for request in list(self.waiting):
+            if self._cannot_finish(request, now):
+                left = request.max_tokens - len(request.output_token_ids)
+                self._finish(
+                    request,
+                    RequestStatus.FINISHED_TIMEOUT,
+                    f"it cannot finish before its deadline: its {left} tokens to go take about "
+                    f"{left * self.step_s:.1f}s at {1000 * self.step_s:.0f} ms a step, and "
+                    f"{max(0.0, (request.deadline or now) - now):.1f}s are left",
+                )
+
+    def _cannot_finish(self, request: Request, now: float) -> bool:
+        """A waiting request that must run to its max_tokens and no longer has the steps left
+        for them before its deadline: it ends now, not after holding the pool and the steps
+        that others could use until the deadline cuts it anyway."""
+        if request.deadline is None or not request.runs_to_max_tokens or not self.step_s:
+            return False
+        left = request.max_tokens - len(request.output_token_ids)
+        return now + left * self.step_s > request.deadline
 
     def _prefill_room(self, decodes: int) -> int | None:
         """Prompt tokens a step with ``decodes`` decode tokens may add; None: no time budget."""

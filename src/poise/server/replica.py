@@ -62,6 +62,8 @@ def _end_error(reason: str | None, detail: str | None, override: APIError | None
     if override is not None:
         return override
     if reason == "timeout":
+        if detail and detail.startswith("it cannot finish"):  # ended early, not at the deadline
+            return APIError(504, f"the request was ended: {detail}", code="timeout")
         return APIError(504, "the request's deadline passed before it completed", code="timeout")
     if reason == "error":
         return APIError(500, detail or "the engine failed on this request", code="engine_error")

@@ -154,6 +154,35 @@ def test_deadline_times_out_and_frees_blocks():
     assert out.is_empty
 
 
+def test_a_waiting_request_that_can_no_longer_finish_by_its_deadline_ends_at_once():
+    """At 50 ms a step, 100 tokens take 5 s: with 4 s left, a waiting request that must
+    produce them all ends now, while one that may stop early waits on, and so does a running
+    one (its tokens are on their way)."""
+    s, clock = make_scheduler(max_num_seqs=1)
+    s.step_s = 0.05
+    running = add(s, "running", 8, max_tokens=100, deadline=6.0)
+    run_step(s)
+    clock.now = 2.0
+    doomed = add(s, "doomed", 8, max_tokens=100, deadline=6.0)
+    may_stop = Request(
+        "may-stop",
+        list(range(8)),
+        SamplingParams(),
+        arrival_time=2.0,
+        max_tokens=100,
+        deadline=6.0,
+    )
+    s.add_request(may_stop)
+    run_step(s)
+    assert doomed.finish_reason == "timeout" and not s.kv.block_table("doomed")
+    assert may_stop.finish_reason is None and running.finish_reason is None
+    # With time enough it would have waited its turn.
+    clock.now = 2.5
+    patient = add(s, "patient", 8, max_tokens=10, deadline=6.0)
+    run_step(s)
+    assert patient.finish_reason is None
+
+
 def test_too_large_is_rejected_at_submission():
     s, _ = make_scheduler(blocks=4, block_size=4)
     with pytest.raises(RequestTooLargeError, match="whole pool has 4"):
