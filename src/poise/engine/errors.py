@@ -12,6 +12,10 @@ these classes, and only these, to HTTP statuses. Anything else escaping the engi
 - ``EngineDeadError``: the step loop has stopped; no request can be served by this engine.
 """
 
+# How a waiting request the scheduler ends before its deadline (its output can no longer be
+# done by then) is told; the server names it in its 504.
+CANNOT_FINISH = "it cannot finish before its deadline"
+
 
 class EngineError(Exception):
     """Base of every error the engine raises deliberately."""

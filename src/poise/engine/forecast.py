@@ -91,15 +91,18 @@ class SlotForecast:
         crowding = crowds_out(blocks, self.typical_footprint, self.free_slots)
         return own <= self.kv_headroom_blocks and not crowding
 
-    def fit_together(self, blocks: int) -> int:
+    def fit_together(self, blocks: int, retaken: bool = True) -> int:
         """How many requests of ``blocks`` the pool holds at once, with what a request larger
         than the typical one leaves to others (at least 1): the headroom now and what the
-        large running requests give back. What the typical ones give back is not counted:
-        new typical requests take it again (counted, a short pool whose short requests held
-        most of it promised room for seven long requests where one fitted)."""
+        large running requests give back, and what the typical ones give back unless
+        ``retaken`` (new typical requests keep coming and take it again: counted, a short
+        pool whose short requests held most of it promised room for seven long requests where
+        one fitted)."""
         typical = self.typical_footprint
         room = self.kv_headroom_blocks + sum(
-            r.blocks for r in self.kv_releases if not typical or is_large(r.footprint, typical)
+            r.blocks
+            for r in self.kv_releases
+            if not retaken or not typical or is_large(r.footprint, typical)
         )
         room -= room_left_for_others(blocks, typical)
         return max(1, room // max(1, blocks))
@@ -107,7 +110,10 @@ class SlotForecast:
     def run_s(self, max_tokens: int, exact: bool = False) -> float:
         """Seconds a request of ``max_tokens`` is expected to run once started, at the recent
         step time: its whole ``max_tokens`` when ``exact`` (it runs to them), else tempered by
-        the typical output."""
+        the typical output. 0 while nothing runs: the step time is then that of a load gone
+        (it is not timed while idle), and a lone request's steps are shorter."""
+        if not self.release_steps:
+            return 0.0
         steps = max_tokens
         if self.typical_output is not None and not exact:
             steps = min(max_tokens, self.typical_output)

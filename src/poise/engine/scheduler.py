@@ -63,7 +63,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from poise.engine.errors import InvalidRequestError
+from poise.engine.errors import CANNOT_FINISH, InvalidRequestError
 from poise.engine.forecast import (
     crowds_out,
     is_large,
@@ -81,6 +81,10 @@ MAX_LOOK_PAST = 8
 # step, with the best priority: a long prompt's chunks (a preempted request's recompute above
 # all) otherwise took every step's room, and no short request started for seconds.
 SHORT_PROMPT_BLOCKS = 4
+# A waiting request that runs to its max_tokens is ended before its deadline only when even at
+# this share of the recent step time its tokens would not be done by then: the step time moves
+# (a long prefill in a step, the load), and an end cannot be undone.
+DOOMED_STEP_SHARE = 0.8
 # Requests whose footprints at their start make the typical one (``typical_footprint``).
 TYPICAL_WINDOW = 64
 # A request passed over this long for lack of room is passed over no more: nobody starts past
@@ -290,23 +294,33 @@ class Scheduler:
                 self._finish(request, RequestStatus.FINISHED_TIMEOUT, "deadline passed")
         for request in list(self.waiting):
             if self._cannot_finish(request, now):
-                left = request.max_tokens - len(request.output_token_ids)
                 self._finish(
                     request,
                     RequestStatus.FINISHED_TIMEOUT,
-                    f"it cannot finish before its deadline: its {left} tokens to go take about "
-                    f"{left * self.step_s:.1f}s at {1000 * self.step_s:.0f} ms a step, and "
-                    f"{max(0.0, (request.deadline or now) - now):.1f}s are left",
+                    f"{CANNOT_FINISH}: its {request.max_tokens} tokens take about "
+                    f"{request.max_tokens * self.step_s:.1f}s at {1000 * self.step_s:.0f} ms a "
+                    f"step, and {max(0.0, (request.deadline or now) - now):.1f}s are left",
                 )
 
     def _cannot_finish(self, request: Request, now: float) -> bool:
         """A waiting request that must run to its max_tokens and no longer has the steps left
-        for them before its deadline: it ends now, not after holding the pool and the steps
-        that others could use until the deadline cuts it anyway."""
-        if request.deadline is None or not request.runs_to_max_tokens or not self.step_s:
+        for them before its deadline, even at ``DOOMED_STEP_SHARE`` of the recent step time:
+        it ends now, not after holding the pool and the steps that others could use until
+        the deadline cuts it anyway. Only while others run (the step time is then today's,
+        not that of a load long gone), never a health probe, and never one that has streamed
+        tokens already (a preempted request: its client keeps what it has until the
+        deadline)."""
+        if (
+            request.deadline is None
+            or request.is_probe
+            or not request.runs_to_max_tokens
+            or request.output_token_ids
+            or not self.step_s
+            or not any(not r.is_probe for r in self.running)
+        ):
             return False
-        left = request.max_tokens - len(request.output_token_ids)
-        return now + left * self.step_s > request.deadline
+        left = request.max_tokens * DOOMED_STEP_SHARE * self.step_s
+        return now + left > request.deadline
 
     def _prefill_room(self, decodes: int) -> int | None:
         """Prompt tokens a step with ``decodes`` decode tokens may add; None: no time budget."""

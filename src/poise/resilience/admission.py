@@ -7,7 +7,8 @@ seconds. So a long wait alone refuses nothing here. A newcomer is refused at onc
 ``Retry-After``, so that a gateway can send it elsewhere) when:
 
 - it is predicted to start after its own deadline (``X-Request-Deadline-Ms`` or the server's
-  default timeout): it cannot be served in time;
+  default timeout), or, when it runs to its max_tokens (``Need.exact``), too late to produce
+  them before it: it cannot be served in time;
 - the queue is *filling*, that is more requests of its priority or a better one arrive than
   start (``queue_trend``: counted per priority, so a batch flood fills the batch queue, not the
   interactive one beside it), and it is predicted to wait longer than ``queue_target_s``.
@@ -30,12 +31,16 @@ consecutive starts, counted only while someone was waiting throughout (idle time
 about capacity, and neither does the first start after it: that is latency, not spacing), and
 no older than ``rate_max_age_s``: intervals from a slow spell long past (a fault, another
 load) would otherwise refuse today's work, and refusals make no new samples to correct them.
+It is kept apart for typical requests and for large ones (``start_pace``): large requests wait
+for room in the KV pool while smaller ones start past them, so neither kind's pace says
+anything of the other's. A large newcomer's wait also counts the large requests held for room
+ahead of it, each holding the pool for its own output's time (``Need.hold_s``).
 Starts come in bursts (one engine step may start several requests, then none for a while), so a
 short-memory average swings low right after a burst; admission acts on those lows, which biases
 it towards taking too much. A plain mean over a few dozen intervals is steadier than an
-exponential one with the same responsiveness. A newcomer's wait is at least how long the queue
-has gone without a start, so a stalled engine stops admitting instead of trusting an old, fast
-rate. Predictions err, mostly short (a request's own prefill is in its wait to the first token,
+exponential one with the same responsiveness. A newcomer's wait is at least how long the
+requests of each kind ahead of it have gone without a start of their kind, so a stalled engine
+stops admitting instead of trusting an old, fast rate. Predictions err, mostly short (a request's own prefill is in its wait to the first token,
 and chunked prompts share steps), so the error measured on the last requests predicted near
 the target (its 90th percentile, at most half the target) is added to a newcomer's prediction
 before it is held against the target: the target holds on whatever host this runs.
@@ -93,9 +98,10 @@ class Forecast(Protocol):
         running slots a large request must leave to others go."""
         ...
 
-    def fit_together(self, blocks: int) -> int:
-        """How many requests of ``blocks`` the pool holds at once once every running request
-        has ended, with what large requests leave to others (at least 1)."""
+    def fit_together(self, blocks: int, retaken: bool = True) -> int:
+        """How many requests of ``blocks`` the pool holds at once, with what large requests
+        leave to others (at least 1); ``retaken``: what the typical running requests give
+        back is taken again by new ones (they keep arriving), so it is not counted."""
         ...
 
 
@@ -190,6 +196,7 @@ class AdmissionController:
             for large in (False, True)
         }
         self._errors: dict[int, deque[float]] = {}  # by priority
+        self._last_typical_arrival: float | None = None
 
     # ----- what the server asks -----
     @property
@@ -212,7 +219,6 @@ class AdmissionController:
         ahead = [t for t in self.waiting.values() if t.priority <= priority]
         by_slots = by_held = 0.0
         preemptible = 0
-        held_itself = False  # a large group that does not fit now: its own start is paced too
         if self.forecast is not None:
             forecast = self.forecast()
             # The engine starts smaller requests past one that does not fit the pool: those
@@ -228,11 +234,8 @@ class AdmissionController:
             # start past them meanwhile make it no sooner.
             before = [t for t in held if t.blocks <= own]
             if before:
-                by_held = sum(t.hold_s for t in before) / forecast.fit_together(own)
-            typical = forecast.typical_footprint
-            held_itself = (
-                bool(typical) and own > BIG_FACTOR * typical and not forecast.fits_now(own)
-            )
+                retaken = self._typical_coming()
+                by_held = sum(t.hold_s for t in before) / forecast.fit_together(own, retaken)
         else:
             held = []
         # Those ahead that will take a lower priority's slot do not wait for the pace of
@@ -240,11 +243,15 @@ class AdmissionController:
         paced = min(len(ahead), max(0, len(ahead) + group_size - 1 - preemptible))
         held_keys = {t.key for t in held}
         paced_held = min(paced, sum(1 for t in ahead if t.key in held_keys))
-        by_rate = max(
-            self._paced_s(False, paced - paced_held),
-            self._paced_s(True, paced_held + (group_size if held_itself else 0)),
-        )
+        by_rate = max(self._paced_s(False, paced - paced_held), self._paced_s(True, paced_held))
         return max(by_slots, by_rate, by_held)
+
+    def _typical_coming(self) -> bool:
+        """Whether typical requests still arrive (one within the trend's interval): then what
+        the typical running ones give back is no room for large ones (new ones take it); in a
+        burst that drains it is."""
+        last = self._last_typical_arrival
+        return last is not None and self.clock() - last <= self.config.trend.interval_s
 
     def _paced_s(self, large: bool, count: int) -> float:
         """The wait behind ``count`` of a kind at its measured pace, and at least as long as
@@ -306,6 +313,8 @@ class AdmissionController:
             )
             for k, n, need in zip(keys, prompt_tokens, needs, strict=True)
         ]
+        if not continuation and not any(t.large for t in tickets):
+            self._last_typical_arrival = now
         if not self.config.enabled:
             self._enqueue(tickets)
             return Decision(True, None, wait, 0.0)
@@ -353,7 +362,7 @@ class AdmissionController:
             left = deadline - self.clock()
             run = max((t.hold_s for t in tickets if t.exact), default=0.0)
             if wait + run >= left:
-                if self.predicted_wait(priority) < left:
+                if not trend.bursting and self.predicted_wait(priority) < left:
                     # A request of no size or length would have been taken: long requests
                     # refused for their own length made the short ones' queue look filling.
                     trend.withdraw(count)

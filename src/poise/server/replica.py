@@ -19,7 +19,7 @@ from typing import Any
 
 from poise.config import ServerSettings
 from poise.engine.client import EngineClient
-from poise.engine.errors import EngineDeadError, InvalidRequestError
+from poise.engine.errors import CANNOT_FINISH, EngineDeadError, InvalidRequestError
 from poise.engine.intake import RequestOptions, Resume
 from poise.engine.outputs import RequestOutput
 from poise.engine.request import Request, SamplingParams
@@ -62,7 +62,7 @@ def _end_error(reason: str | None, detail: str | None, override: APIError | None
     if override is not None:
         return override
     if reason == "timeout":
-        if detail and detail.startswith("it cannot finish"):  # ended early, not at the deadline
+        if detail and detail.startswith(CANNOT_FINISH):  # ended early, not at the deadline
             return APIError(504, f"the request was ended: {detail}", code="timeout")
         return APIError(504, "the request's deadline passed before it completed", code="timeout")
     if reason == "error":
@@ -96,7 +96,6 @@ class Replica:
         )
         self.metrics = ServerMetrics(self.model_name, self.snapshot)
         self.inflight: dict[str, _InFlight] = {}
-        self.token_interval_s: float | None = None  # recent seconds per token a stream saw
         # Fault injection (``error_status``): every API request is answered with this status,
         # as a bad deploy or a broken dependency would; 0 is off.
         self.injected_error_status = 0
@@ -169,7 +168,6 @@ class Replica:
                 "seconds_since_progress": round(self.clock() - self.engine.last_progress, 3),
                 "has_work": self.engine.has_work,
                 "step_s": round(stats.forecast.step_s, 4),  # the forecast's recent step time
-                "token_interval_s": self.token_interval_s,
                 "max_running": stats.max_running,
                 "running_by_priority": stats.running_by_priority,
                 "waiting_by_priority": stats.waiting_by_priority,
@@ -346,10 +344,6 @@ class Replica:
                 )
             self.engine.abort(key)
 
-    def _observe_token_interval(self, seconds: float) -> None:
-        last = self.token_interval_s
-        self.token_interval_s = seconds if last is None else last + 0.02 * (seconds - last)
-
     def _refusal_message(self, reason: str, wait: float, priority: int, run_s: float) -> str:
         waiting = len(self.admission.waiting)
         if reason == "overloaded":
@@ -423,9 +417,7 @@ class Replica:
                                 m.wait_error.labels(model).observe(error)
                             m.ttft.labels(model).observe(now - tracked.arrival)
                         elif tracked.last_token is not None:
-                            itl = (now - tracked.last_token) / new
-                            m.itl.labels(model).observe(itl)
-                            self._observe_token_interval(itl)
+                            m.itl.labels(model).observe((now - tracked.last_token) / new)
                         tracked.last_token = now
                         m.generation_tokens.labels(model).inc(new)
                     if not out.finished:

@@ -194,3 +194,7 @@ def test_a_request_runs_its_output_at_the_step_time_and_a_short_pool_holds_one_l
     )
     assert roomy.kv_headroom_blocks == 100 - 20 - 11
     assert roomy.fit_together(25) == (69 + 25 - 16) // 25
+    # In a burst that drains (no new short requests), what the short ones give back counts.
+    assert roomy.fit_together(25, retaken=False) == (69 + 25 + 20 * 4 - 16) // 25
+    # While nothing runs the step time is that of a load gone: no run time is promised.
+    assert f.forecast([], pool=pool).run_s(200, exact=True) == 0.0

@@ -2,7 +2,7 @@
 
 import pytest
 
-from poise.engine.errors import RequestTooLargeError
+from poise.engine.errors import CANNOT_FINISH, RequestTooLargeError
 from poise.engine.kv_cache import KVCacheManager
 from poise.engine.request import Request, RequestStatus, SamplingParams
 from poise.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -155,32 +155,65 @@ def test_deadline_times_out_and_frees_blocks():
 
 
 def test_a_waiting_request_that_can_no_longer_finish_by_its_deadline_ends_at_once():
-    """At 50 ms a step, 100 tokens take 5 s: with 4 s left, a waiting request that must
-    produce them all ends now, while one that may stop early waits on, and so does a running
-    one (its tokens are on their way)."""
+    """At 50 ms a step (40 ms at the share the rule allows for), 100 tokens take 4 s: with 3.5 s
+    left, a waiting request that must produce them all ends now, saying why, while one that
+    may stop early waits on, and so do a health probe, one with time enough, and the running
+    one (its tokens are on their way). With nothing else running the step time is no guide,
+    and nobody is ended."""
     s, clock = make_scheduler(max_num_seqs=1)
     s.step_s = 0.05
-    running = add(s, "running", 8, max_tokens=100, deadline=6.0)
+    running = add(s, "running", 8, max_tokens=100, deadline=5.5)
     run_step(s)
     clock.now = 2.0
-    doomed = add(s, "doomed", 8, max_tokens=100, deadline=6.0)
+    doomed = add(s, "doomed", 8, max_tokens=100, deadline=5.5)
     may_stop = Request(
         "may-stop",
         list(range(8)),
         SamplingParams(),
         arrival_time=2.0,
         max_tokens=100,
-        deadline=6.0,
+        deadline=5.5,
     )
     s.add_request(may_stop)
+    probe = Request(
+        "probe",
+        [1, 2],
+        SamplingParams(ignore_eos=True),
+        arrival_time=2.0,
+        max_tokens=100,
+        deadline=5.5,
+        is_probe=True,
+    )
+    s.add_request(probe)
+    patient = add(s, "patient", 8, max_tokens=80, deadline=5.5)  # 3.2 s at the share
     run_step(s)
     assert doomed.finish_reason == "timeout" and not s.kv.block_table("doomed")
+    assert doomed.error is not None and doomed.error.startswith(CANNOT_FINISH)
     assert may_stop.finish_reason is None and running.finish_reason is None
-    # With time enough it would have waited its turn.
-    clock.now = 2.5
-    patient = add(s, "patient", 8, max_tokens=10, deadline=6.0)
+    assert probe.finish_reason is None and patient.finish_reason is None
+    # Alone, with a step time left from a load that has gone, it is not ended.
+    idle, idle_clock = make_scheduler()
+    idle.step_s = 0.05
+    alone = add(idle, "alone", 8, max_tokens=100, deadline=3.0)
+    idle_clock.now = 0.0
+    run_step(idle)
+    assert alone.finish_reason is None
+
+
+def test_a_preempted_request_that_has_streamed_tokens_is_not_ended_before_its_deadline():
+    s, clock = make_scheduler(max_num_seqs=1)
+    s.step_s = 0.05
+    first = add(s, "first", 8, max_tokens=100, deadline=20.0)
     run_step(s)
-    assert patient.finish_reason is None
+    run_step(s)
+    assert first.output_token_ids
+    other = add(s, "other", 8, max_tokens=100, priority=-1)
+    s._preempt(first, [])  # as when blocks or a better priority need its place
+    run_step(s)
+    assert other.status is RequestStatus.RUNNING
+    clock.now = 16.0  # 100 tokens would take 4 s at the share: no longer in time
+    run_step(s)
+    assert first.finish_reason is None
 
 
 def test_too_large_is_rejected_at_submission():

@@ -38,13 +38,14 @@ class FakeForecast:
 
     typical_footprint = 0
     kv_headroom_blocks = 1 << 30
-    together = 1  # how many large requests the pool holds at once
+    together = 1  # how many large requests the pool holds at once ...
+    together_drained = 1  # ... and when no new typical requests take back what others free
 
     def fits_now(self, blocks: int) -> bool:
         return blocks <= self.kv_headroom_blocks
 
-    def fit_together(self, blocks: int) -> int:
-        return self.together
+    def fit_together(self, blocks: int, retaken: bool = True) -> int:
+        return self.together if retaken else self.together_drained
 
 
 def blocks(*each: int) -> list[Need]:
@@ -512,7 +513,7 @@ def test_a_long_request_behind_long_ones_held_for_room_is_refused_for_its_deadli
     assert late.predicted_wait_s == pytest.approx(16.0)
     assert ac.trends.counts(0)[0] == arrived
     # Were the pool to hold two at once, it would start in 8 s and finish in time.
-    forecast.together = 2
+    forecast.together = forecast.together_drained = 2
     assert ac.admit(["long3"], [1], deadline=clock.now + 20, needs=[Need(10, 8.0, True)]).admitted
     assert ac.admit(["short"], [1], deadline=clock.now + 20, needs=[Need(2, 1.0)]).admitted
 
@@ -524,3 +525,57 @@ def test_a_request_that_runs_to_max_tokens_must_finish_by_its_deadline():
     refused = ac.admit(["exact"], [1], deadline=clock.now + 4, needs=[Need(0, 5.0, exact=True)])
     assert not refused.admitted and refused.reason == "deadline"
     assert ac.admit(["may-stop"], [1], deadline=clock.now + 4, needs=[Need(0, 5.0)]).admitted
+
+
+def short_pool(ac_wait: float = 0.0) -> tuple[AdmissionController, Clock, FakeForecast]:
+    clock = Clock()
+    forecast = FakeForecast(wait=ac_wait)
+    forecast.typical_footprint, forecast.kv_headroom_blocks = 2, 5
+    ac = AdmissionController(AdmissionConfig(queue_target_s=0.5), clock, lambda: forecast)
+    return ac, clock, forecast
+
+
+def test_the_large_kinds_pace_counts_a_gap_already_longer_than_its_mean():
+    """Large requests started 2 s apart once; three now wait and none has started for 8 s. A
+    large newcomer behind them waits at least 5 s per place (the open gap counted as one more
+    interval), not the clump's 2 s, and at least the 8 s already gone."""
+    ac, clock, _ = short_pool()
+    for i in range(3):
+        assert ac.admit([f"L{i}"], [1], needs=[Need(10)]).admitted
+    clock.now += 1.0
+    ac.started("L0")
+    clock.now += 2.0
+    ac.started("L1")  # L2 waited through those 2 s: one interval
+    for i in (3, 4):
+        assert ac.admit([f"L{i}"], [1], needs=[Need(10)]).admitted
+    clock.now += 8.0
+    assert ac.paces()["large"]["mean_interval_s"] == pytest.approx(2.0)
+    assert ac.predicted_wait(0, 1, 10) == pytest.approx(3 * (2.0 + 8.0) / 2)
+
+
+def test_a_large_newcomer_with_no_large_request_ahead_pays_no_large_pace():
+    """Large starts were ten seconds apart, but none waits now: a large newcomer is predicted
+    the forecast's wait for room (1 s), not an interval of its kind's pace."""
+    ac, clock, _ = short_pool(ac_wait=1.0)
+    for i in range(3):
+        assert ac.admit([f"L{i}"], [1], needs=[Need(10)]).admitted
+    for i in range(3):
+        clock.now += 10.0
+        ac.started(f"L{i}")
+    assert ac.paces()["large"]["mean_interval_s"] == pytest.approx(10.0)
+    assert ac.predicted_wait(0, 1, 10) == pytest.approx(1.0)
+
+
+def test_what_the_short_requests_free_is_room_for_long_ones_only_once_no_more_come():
+    """A long request (20 s of output) is held for room. While short requests keep arriving,
+    the pool holds one long one at a time and a second long newcomer waits its 20 s; in a
+    burst that drains (no short arrival for a trend interval) what the short ones free counts
+    too, and two fit at once: 10 s (more than the 6 s the first has waited)."""
+    ac, clock, forecast = short_pool()
+    forecast.together_drained = 2
+    assert ac.admit(["long0"], [1], needs=[Need(10, 20.0)]).admitted
+    assert ac.admit(["short"], [1], needs=[Need(2)]).admitted
+    ac.started("short")
+    assert ac.predicted_wait(0, 1, 10) == pytest.approx(20.0)
+    clock.now += 6.0
+    assert ac.predicted_wait(0, 1, 10) == pytest.approx(10.0)
