@@ -28,22 +28,23 @@ running slots and KV blocks free up (``forecast``).
 
 The service-rate estimate is the mean interval between the last ``rate_window`` pairs of
 consecutive starts, counted only while someone was waiting throughout (idle time says nothing
-about capacity, and neither does the first start after it: that is latency, not spacing), and
-no older than ``rate_max_age_s``: intervals from a slow spell long past (a fault, another
-load) would otherwise refuse today's work, and refusals make no new samples to correct them.
-It is kept apart for typical requests and for large ones (``start_pace``): large requests wait
-for room in the KV pool while smaller ones start past them, so neither kind's pace says
-anything of the other's. A large newcomer's wait also counts the large requests held for room
-ahead of it, each holding the pool for its own output's time (``Need.hold_s``).
-Starts come in bursts (one engine step may start several requests, then none for a while), so a
-short-memory average swings low right after a burst; admission acts on those lows, which biases
-it towards taking too much. A plain mean over a few dozen intervals is steadier than an
-exponential one with the same responsiveness. A newcomer's wait is at least how long the
-requests of each kind ahead of it have gone without a start of their kind, so a stalled engine
-stops admitting instead of trusting an old, fast rate. Predictions err, mostly short (a request's own prefill is in its wait to the first token,
-and chunked prompts share steps), so the error measured on the last requests predicted near
-the target (its 90th percentile, at most half the target) is added to a newcomer's prediction
-before it is held against the target: the target holds on whatever host this runs.
+about capacity, and neither does the first start after it: that is latency, not spacing), and no
+older than ``rate_max_age_s``: intervals from a slow spell long past (a fault, another load)
+would otherwise refuse today's work, and refusals make no new samples to correct them. It is
+kept apart for typical requests and for large ones (``start_pace``): large requests wait for
+room in the KV pool while smaller ones start past them, so neither kind's pace says anything of
+the other's. A large newcomer's wait also counts the large requests held for room ahead of it,
+each holding the pool for its own output's time (``Need.hold_s``). Starts come in bursts (one
+engine step may start several requests, then none for a while), so a short-memory average swings
+low right after a burst; admission acts on those lows, which biases it towards taking too much.
+A plain mean over a few dozen intervals is steadier than an exponential one with the same
+responsiveness. A newcomer's wait is at least how long the requests of each kind ahead of it
+have gone without a start of their kind, so a stalled engine stops admitting instead of trusting
+an old, fast rate. Predictions err, mostly short (a request's own prefill is in its wait to the
+first token, and chunked prompts share steps), so the error measured on the last requests
+predicted near the target (its 90th percentile, at most half the target) is added to a
+newcomer's prediction before it is held against the target: the target holds on whatever host
+this runs.
 
 Priorities follow vLLM: lower values run first. A request is only queued behind those with a
 value at most its own, and the slot forecast counts the running requests of a lower priority as
