@@ -255,6 +255,13 @@ def _first_token_choices(url: str, path: str, body: dict[str, Any], sent: str) -
     return dict(answer["choices"][0]["logprobs"]["top_logprobs"][0])
 
 
+def _gateway_log_tail(g: GatewayProcess, lines: int = 30) -> str:
+    """The gateway's last log lines that are not access lines: what a failed resume went
+    through."""
+    kept = [x for x in g.log().splitlines() if '"poise.gateway.access"' not in x]
+    return "\n".join(kept[-lines:])
+
+
 def _kill_check(g: GatewayProcess, pair: tuple[Any, Any], must_continue: bool = True) -> Any:
     """Streams under way when one of ``pair`` dies: each ends whole, none truncated silently, and
     each continued one is the text sent before the break followed by what the survivor
@@ -303,7 +310,11 @@ def _kill_check(g: GatewayProcess, pair: tuple[Any, Any], must_continue: bool = 
         assert seen[-1] == "data: [DONE]", seen[-3:]
         datas = [x[6:] for x in seen if x.startswith("data: {")]
         chunks = [json.loads(x) for x in datas]
-        assert not any("error" in c for c in chunks), [c for c in chunks if "error" in c]
+        assert not any("error" in c for c in chunks), (
+            [c for c in chunks if "error" in c],
+            f"killed {type(killed).__name__} {killed.url}, survivor {survivor.url}",
+            _gateway_log_tail(g),
+        )
         assert chunks[-1]["choices"][0]["finish_reason"] == "length"
         assert len({c["id"] for c in chunks}) == 1, "one stream, one id"
         if path.endswith("chat/completions"):
