@@ -75,6 +75,12 @@ from poise.resilience.start_pace import StartPace
 BIG_FACTOR = 2.0
 
 
+def is_large(blocks: int, typical: int) -> bool:
+    """More than ``BIG_FACTOR`` times the typical request's blocks (none is while the typical
+    request is not known): such a request waits for room in the pool, and is shed first."""
+    return bool(typical) and blocks > BIG_FACTOR * typical
+
+
 class Forecast(Protocol):
     """The server's forecast of its running slots and KV pool (``poise.engine.forecast``)."""
 
@@ -307,7 +313,7 @@ class AdmissionController:
                 need.blocks,
                 need.hold_s,
                 need.exact,
-                large=bool(typical) and need.blocks > BIG_FACTOR * typical,
+                large=is_large(need.blocks, typical),
                 predicted=wait,
                 teaches=teaches,
                 counted=not continuation,
@@ -408,11 +414,7 @@ class AdmissionController:
             return False
         forecast = self.forecast()
         typical = forecast.typical_footprint
-        return (
-            bool(typical)
-            and max(blocks) > BIG_FACTOR * typical
-            and forecast.preemptible(priority) == 0
-        )
+        return is_large(max(blocks), typical) and forecast.preemptible(priority) == 0
 
     # ----- what the server reports -----
     def started(self, key: str) -> float | None:
