@@ -117,7 +117,7 @@ class SchedulerConfig:
 class StepTimeBudget(Protocol):
     """What a step's time allows (``poise.engine.step_budget.StepBudget``); None: no limit."""
 
-    def prefill_room(self, decodes: int, share: float = 1.0) -> int | None: ...
+    def prefill_room(self, decodes: int, share: float = 1.0, banked: bool = True) -> int | None: ...
     def decode_room(self, decodes: int, share: float, prefill_tokens: int = 0) -> int | None: ...
     def max_running(self) -> int | None: ...
 
@@ -322,16 +322,37 @@ class Scheduler:
         left = request.max_tokens * DOOMED_STEP_SHARE * self.step_s
         return now + left > request.deadline
 
-    def _prefill_room(self, decodes: int) -> int | None:
-        """Prompt tokens a step with ``decodes`` decode tokens may add; None: no time budget."""
-        return None if self.time_budget is None else self.time_budget.prefill_room(decodes)
+    def _prefill_room(self, decodes: int, banked: bool = True) -> int | None:
+        """Prompt tokens a step with ``decodes`` decode tokens may add (spending what earlier
+        steps banked, if ``banked``); None: no time budget."""
+        if self.time_budget is None:
+            return None
+        return self.time_budget.prefill_room(decodes, banked=banked)
 
-    def _room(self, scheduled: list[ScheduledSequence]) -> int | None:
+    def _room(self, scheduled: list[ScheduledSequence], banked: bool = True) -> int | None:
         """Prompt tokens the time budget still allows this step; None: no time budget."""
-        room = self._prefill_room(sum(s.is_decode for s in scheduled))
+        room = self._prefill_room(sum(s.is_decode for s in scheduled), banked)
         if room is None:
             return None
         return room - sum(len(s.token_ids) for s in scheduled if not s.is_decode)
+
+    def _spends_bank(self) -> Callable[[Request], bool]:
+        """Whether a request's prompt chunk may spend what earlier steps banked: not one of
+        more than twice the typical footprint. The bank lengthens the step it is spent in,
+        and every request that arrives meanwhile waits that long for its first token; a short
+        prompt repays that in its own first token, a long one (which no interactive user waits
+        on token by token) does not: after the pool came back in kv-exhaustion, steps of
+        three whole 200-token prompts took 450 ms, and the short requests' first tokens
+        tripled."""
+        typical: int | None = None
+
+        def spends(request: Request) -> bool:
+            nonlocal typical
+            if typical is None:
+                typical = self.typical_footprint
+            return not is_large(self.footprint_blocks(request), typical)
+
+        return spends
 
     def _schedule_running(
         self, preempted: list[str]
@@ -347,8 +368,11 @@ class Scheduler:
             1 for r in self.running if r.num_uncomputed_tokens == 1 and r.request_id not in paused
         )
         prefill_room = self._prefill_room(decodes)
-        if prefill_room is not None:
+        unbanked = self._prefill_room(decodes, banked=False)
+        if prefill_room is not None and unbanked is not None:
             prefill_room = max(prefill_room, self.kv.block_size)
+            unbanked = max(unbanked, self.kv.block_size)
+        spends_bank = self._spends_bank()
         best = self._best_priority() or 0
         i = 0
         while i < len(self.running) and budget > 0:
@@ -358,14 +382,17 @@ class Scheduler:
                 i += 1
                 continue
             n = min(left, budget)
-            if prefill_room is not None and left > 1:
+            if prefill_room is not None and unbanked is not None and left > 1:
                 n = min(n, prefill_room)
                 if request.priority > best and lower_room is not None:
                     n = min(n, lower_room)
+                if not spends_bank(request):
+                    n = min(n, unbanked)
                 if n <= 0:
                     i += 1
                     continue
                 prefill_room -= n
+                unbanked -= n
                 if request.priority > best and lower_room is not None:
                     lower_room -= n
             admitted = True
@@ -519,6 +546,8 @@ class Scheduler:
         crowded_floor: int | None = None
         room_floor: int | None = None
         short_past_room = self._short_past_room()
+        spends_bank = self._spends_bank()
+        unbanked = self._room(scheduled, banked=False)
         now = self.clock()
         while i < len(self.waiting):
             request = self.waiting[i]
@@ -532,6 +561,14 @@ class Scheduler:
             if not request.is_probe:
                 if budget <= 0:
                     break
+                if (
+                    not past_room
+                    and unbanked is not None
+                    and unbanked <= 0
+                    and not spends_bank(request)
+                ):
+                    i += 1  # only banked room is left, and it is not for a large prompt
+                    continue
                 if past_room:
                     if overdue:
                         break  # nobody starts past one passed over for too long
@@ -559,11 +596,15 @@ class Scheduler:
                     i += 1  # it waits for more slots; a smaller one behind it takes this one
                     continue
                 if not self._has_slot(request, max_running):
-                    victim = None if past_room else self._seat_of(request, max_running)
+                    victim = self._seat_of(request, max_running, past_room)
                     if victim is None:
                         break
                     self._preempt(victim, preempted)
-                    budget += self._unschedule(scheduled, victim.request_id)
+                    freed = self._unschedule(scheduled, victim.request_id)
+                    budget += freed
+                    if room is not None and unbanked is not None and freed > 1:
+                        room += freed  # a prompt chunk's room, back for whoever takes it
+                        unbanked += freed
                     continue
             hits = self.kv.get_computed_blocks(request)
             n_cached = len(hits) * bs
@@ -575,6 +616,8 @@ class Scheduler:
                 n = min(left, budget)  # its whole prompt: it is short
             else:
                 n = min(left, budget, left if room is None else room)
+                if unbanked is not None and not spends_bank(request):
+                    n = min(n, unbanked)
             footprint = self.footprint_blocks(request)
             # Cached blocks others hold cost nothing; free cached ones come out of the pool.
             need = footprint - sum(1 for b in hits if self.kv.blocks[b].ref_cnt > 0)
@@ -643,8 +686,9 @@ class Scheduler:
             budget = max(0, budget - n)
             if headroom is not None:
                 headroom -= max(0, need)
-            if room is not None:
+            if room is not None and unbanked is not None:
                 room -= n
+                unbanked -= n
         return budget
 
     def _short_past_room(self) -> Callable[[Request, int], bool | None]:
@@ -723,12 +767,41 @@ class Scheduler:
                 return chosen
         return []
 
-    def _seat_of(self, request: Request, max_running: int) -> Request | None:
-        """Whom ``request`` may take the seat of when the running set is full in all
-        (``max_num_seqs``) though not for its priority: a worse-priority request, preempted."""
+    def _seat_of(self, request: Request, max_running: int, past_room: bool) -> Request | None:
+        """Whom ``request``, finding no slot, may take the seat of (preempted): a worse-priority
+        request when the running set is full in all (``max_num_seqs``) though not for its
+        priority, unless the step is past its prompt room; else a large request of its own
+        priority still prefilling (``_large_prefill_seat``)."""
         full = len(self.running) >= self.config.max_num_seqs
         ahead = self._ahead(request.priority)
-        return self._priority_victim(request) if full and ahead < max_running else None
+        if full and ahead < max_running:
+            return None if past_room else self._priority_victim(request)
+        return self._large_prefill_seat(request)
+
+    def _large_prefill_seat(self, request: Request) -> Request | None:
+        """A running request of ``request``'s priority, more than twice the typical footprint,
+        still prefilling (nothing streamed yet, so only compute is lost and its full blocks stay
+        in the prefix cache), whose seat a typical ``request`` takes: the one that has computed
+        least. Long requests take the last slots while no short one waits (else nobody takes
+        them: the cap grows only as far as requests run); when a short one then comes, the
+        long one's first token waits a step, not the short one's for every step of the long
+        prompt's chunks (after the pool came back in kv-exhaustion, short requests waited
+        0.3 s for a slot so)."""
+        typical = self.typical_footprint
+        if request.is_probe or is_large(self.footprint_blocks(request), typical):
+            return None
+        cap = self.config.max_preemptions
+        candidates = [
+            r
+            for r in self.running
+            if r.priority == request.priority
+            and not r.is_probe
+            and r.num_preemptions < cap
+            and not r.output_token_ids
+            and r.num_uncomputed_tokens > 1
+            and is_large(self.footprint_blocks(r), typical)
+        ]
+        return min(candidates, key=lambda r: r.num_computed_tokens) if candidates else None
 
     def _headroom(self) -> tuple[int, int]:
         """Free blocks less those the running requests are projected to grow into, and the

@@ -204,16 +204,17 @@ class StepBudget:
             self._cap = None  # back in reach, the cap starts again from what runs then
         return self._reachable
 
-    def prefill_room(self, decodes: int, share: float = 1.0) -> int | None:
+    def prefill_room(self, decodes: int, share: float = 1.0, banked: bool = True) -> int | None:
         """Prompt tokens a step with ``decodes`` decode tokens may add within ``share`` of what
-        the target leaves past a step's fixed cost (and what earlier steps banked); None: no
-        limit."""
+        the target leaves past a step's fixed cost (and what earlier steps banked, unless not
+        ``banked``); None: no limit."""
         fit = self.line()
         if fit is None or not self.reachable:
             return None
         a, b_d, b_p = fit
+        bank = max(0.0, self.bank_s) if banked else 0.0
         # A share of what the target leaves past the fixed cost (which any step pays).
-        left = share * (self.config.target_s - a) + max(0.0, self.bank_s) - b_d * decodes
+        left = share * (self.config.target_s - a) + bank - b_d * decodes
         room = left / b_p if b_p > 0 else (math.inf if left > 0 else 0.0)
         return max(self.config.min_tokens, int(room) if math.isfinite(room) else 1 << 30)
 

@@ -695,3 +695,73 @@ def test_the_typical_footprint_follows_todays_typical_output():
     assert s.typical_footprint == s.kv.blocks_needed(2 + 400)
     s.typical_output = 4
     assert s.typical_footprint == s.kv.blocks_needed(2 + 4)
+
+
+def test_only_a_typical_prompt_spends_what_earlier_steps_banked():
+    """A step holds 10 tokens, and earlier steps banked 30 more for prompts. A short request's
+    prompt is prefilled at once from the bank; a long request's (more than twice the typical
+    footprint) gets only the step's own room, and none while a short prompt has taken it: a
+    step lengthened by the bank delays every request that arrives meanwhile, and only a short
+    prompt repays that with its own first token."""
+    s, _ = make_scheduler(blocks=256, max_num_batched_tokens=256)
+    for i in range(4):
+        add(s, f"d{i}", 4, max_tokens=40, first=100 * i)
+    run_step(s)  # four typical requests (11 blocks each) decode from now on
+    s.time_budget = FixedStepBudget(tokens=10, cap=8, bank=30)
+    short = add(s, "short", 20, max_tokens=4, first=1000)
+    long = add(s, "long", 100, max_tokens=40, first=2000)
+    out = run_step(s)
+    chunks = {q.request_id: len(q.token_ids) for q in out.sequences if not q.is_decode}
+    assert chunks == {"short": 20}  # 10 + 30 - 4 decodes: the short prompt whole
+    assert long.status is RequestStatus.WAITING  # the step's own room went to it
+    out = run_step(s)
+    chunks = {q.request_id: len(q.token_ids) for q in out.sequences if not q.is_decode}
+    assert chunks == {"long": 10 - 5}  # five decodes (short's too): not 35 from the bank
+    out = run_step(s)
+    assert {q.request_id: len(q.token_ids) for q in out.sequences}["long"] == 10 - 5
+    assert short.status is RequestStatus.RUNNING
+
+
+def test_a_long_prompt_alone_with_typical_ones_unknown_spends_the_bank():
+    """Before any request has started there is no typical one: nobody is large, and a prompt
+    spends the bank as every prompt did."""
+    s, _ = make_scheduler(blocks=256, max_num_batched_tokens=256)
+    s.time_budget = FixedStepBudget(tokens=10, cap=8, bank=30)
+    add(s, "long", 100, max_tokens=40)
+    out = run_step(s)
+    assert [len(q.token_ids) for q in out.sequences] == [40]
+
+
+def _three_typical_at_a_cap_of_four() -> Scheduler:
+    s, _ = make_scheduler(blocks=256, max_num_batched_tokens=256)
+    for i in range(3):
+        add(s, f"d{i}", 4, max_tokens=40, first=100 * i)
+    run_step(s)  # three typical requests (11 blocks each) decode from now on
+    s.time_budget = FixedStepBudget(tokens=20, cap=4)
+    return s
+
+
+def test_a_short_request_takes_the_last_seat_from_a_long_prompt_still_prefilling():
+    """The last slot under the cap went to a long request while nobody else waited; a short
+    one then comes while the long prompt is still being prefilled. The short one starts at
+    once in the long one's seat, and the long one (which has streamed nothing) waits."""
+    s = _three_typical_at_a_cap_of_four()
+    long = add(s, "long", 100, max_tokens=40, first=1000)
+    run_step(s)
+    assert long.status is RequestStatus.RUNNING and long.num_computed_tokens == 20 - 3
+    short = add(s, "short", 8, max_tokens=4, first=2000)
+    out = run_step(s)
+    chunks = {q.request_id: len(q.token_ids) for q in out.sequences if not q.is_decode}
+    assert chunks == {"short": 8}
+    assert out.preempted_request_ids == ["long"] and long.num_preemptions == 1
+    assert short.status is RequestStatus.RUNNING and len(s.running) == 4
+
+
+def test_a_long_request_that_has_streamed_keeps_its_seat():
+    s = _three_typical_at_a_cap_of_four()
+    long = add(s, "long", 12, max_tokens=100, first=1000)  # 28 blocks: large
+    run_step(s)
+    assert long.output_token_ids  # its prompt in one step: it streams
+    short = add(s, "short", 8, max_tokens=4, first=2000)
+    out = run_step(s)
+    assert not out.preempted_request_ids and short.status is RequestStatus.WAITING
