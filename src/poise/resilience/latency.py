@@ -10,7 +10,12 @@ with weight ``1 - exp(-dt/tau)``, dt the time since the last one, so that the es
 pessimistic at once and forgiving slowly. Work still outstanding counts too: a request that
 has waited longer than the estimate for its first token, or a stream whose current gap
 between tokens is longer than the estimate, raises it to that age, since a backend that has
-stopped produces no observations at all. The cost is the backend's estimate relative to the
+stopped produces no observations at all; but no higher than the time since the backend last
+gave any stream a token. A backend that streams is not stopped: a request it holds on purpose
+(a long one waiting for KV room while short ones start past it) says nothing of what the next
+request will wait, and counted as its age it made whichever replica held the oldest such
+request look seconds slow, so that the other took the short traffic until its pool ran out.
+The cost is the backend's estimate relative to the
 pool's median, a dimensionless multiplier of the pool's load score::
 
     score = cost × (inflight + waiting + 1) / weight
@@ -26,6 +31,7 @@ Pure: the clock is injected; no I/O.
 
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
 from collections import deque
@@ -137,6 +143,18 @@ class LatencyConfig:
     # slow gets tried again, and an idle one's old value does not judge the others.
     stale_s: float = 60.0
     probe_history: int = 8  # probe latencies kept per backend
+    # Routing believes a peak only while the median of this many latest observations agrees:
+    # requests differ, and one that waited on purpose (a long prompt held for KV room, a
+    # long request preempted for short ones) is no sign the backend is slow for the next.
+    robust_n: int = 5
+    # Only a request of typical size times a backend's first token: at most ``large_factor``
+    # times the median size of the pool's last ``sizes_window`` requests served (its body, which
+    # grows with its prompt). A long prompt's first token takes its prefill, or its wait for
+    # KV room, whatever the backend's speed; when one replica happened to hold the long
+    # requests, its TTFT read seconds and the other took every short request until its pool
+    # ran out.
+    large_factor: float = 2.0
+    sizes_window: int = 64
 
     def __post_init__(self) -> None:
         if self.tau_s <= 0 or self.window_s <= 0 or self.stale_s <= 0:
@@ -147,8 +165,10 @@ class LatencyConfig:
             raise ValueError("latency floors must be positive")
         if self.max_cost < 1:
             raise ValueError("max_cost must be at least 1")
-        if self.probe_history < 1:
-            raise ValueError("probe_history must be at least 1")
+        if self.probe_history < 1 or self.robust_n < 1 or self.sizes_window < 1:
+            raise ValueError("probe_history, robust_n and sizes_window must be at least 1")
+        if self.large_factor < 1:
+            raise ValueError("large_factor must be at least 1")
 
 
 @dataclass(slots=True)
@@ -160,6 +180,8 @@ class _Series:
     probes: deque[tuple[float, float]]  # (when observed, seconds)
     streams: set[StreamTimer] = field(default_factory=set)
     tpot_count: int = 0  # TPOT observations since added or reset
+    progress_at: float | None = None  # when any token last came from it; None: never
+    ttft_recent: deque[float] = field(default_factory=deque)  # the latest TTFTs
 
 
 class StreamTimer:
@@ -173,14 +195,17 @@ class StreamTimer:
     """
 
     __slots__ = (
-        "_read_at", "_tracker", "backend_s", "closed", "count", "last", "longest_wait", "started",
-        "url",
+        "_read_at", "_tracker", "backend_s", "closed", "count", "last", "longest_wait", "size",
+        "started", "url",
     )  # fmt: skip
 
-    def __init__(self, tracker: LatencyTracker, url: str, started: float) -> None:
+    def __init__(
+        self, tracker: LatencyTracker, url: str, started: float, size: int | None = None
+    ) -> None:
         self._tracker = tracker
         self.url = url
         self.started = started
+        self.size = size  # the request's (its body's length); None: not known
         self.last: float | None = None  # when tokens last came; None: none yet
         self.count = 0  # output tokens so far
         # Time spent waiting on the backend's reads, and the longest such wait. A relay blocked
@@ -205,7 +230,7 @@ class StreamTimer:
             return
         now = self._tracker.clock()
         if self.last is None:
-            self._tracker.observe_ttft(self.url, now - self.started)
+            self._tracker.observe_first(self.url, now - self.started, self.size)
         else:
             self._tracker.observe_tpot(self.url, (now - self.last) / n)
         self.count += n
@@ -250,6 +275,7 @@ class LatencyTracker:
         self.config = config
         self.clock = clock
         self._series: dict[str, _Series] = {}
+        self._sizes: deque[int] = deque(maxlen=config.sizes_window)  # the latest requests'
         for url in backends:
             self.add(url)
 
@@ -281,6 +307,10 @@ class LatencyTracker:
         s = self._series.get(url)
         if s is not None:
             s.ttft.observe(seconds)
+            s.ttft_recent.append(seconds)
+            if len(s.ttft_recent) > self.config.robust_n:
+                s.ttft_recent.popleft()
+            s.progress_at = self.clock()
 
     def observe_tpot(self, url: str, seconds: float) -> None:
         """Seconds per output token, as seen between two reads of a stream."""
@@ -289,6 +319,7 @@ class LatencyTracker:
             s.tpot.observe(seconds)
             s.recent.append((self.clock(), max(0.0, seconds)))
             s.tpot_count += 1
+            s.progress_at = self.clock()
 
     def observe_probe(self, url: str, seconds: float) -> None:
         """A successful health probe's latency (a one-token generation). Kept apart from the
@@ -299,13 +330,29 @@ class LatencyTracker:
             s.probe.observe(seconds)
             s.probes.append((self.clock(), max(0.0, seconds)))
 
-    def stream(self, url: str) -> StreamTimer:
-        """A timer for one attempt's stream, started now."""
-        timer = StreamTimer(self, url, self.clock())
+    def stream(self, url: str, size: int | None = None) -> StreamTimer:
+        """A timer for one attempt's stream, started now; ``size``: the request's (its body's
+        length), which decides whether its first token is timed (``large_factor``)."""
+        timer = StreamTimer(self, url, self.clock(), size)
         s = self._series.get(url)
         if s is not None:
             s.streams.add(timer)
         return timer
+
+    def observe_first(self, url: str, seconds: float, size: int | None) -> None:
+        """A stream's first token after ``seconds``, for a request of ``size``: its TTFT when
+        the request is of typical size (``large_factor`` times the median of the latest
+        served, a handful known; or of no size given), else only a sign of life."""
+        if size is None:
+            self.observe_ttft(url, seconds)
+            return
+        sizes = self._sizes
+        typical = len(sizes) < 8 or size <= self.config.large_factor * statistics.median(sizes)
+        sizes.append(size)  # of served requests: refused attempts come back many times
+        if typical:
+            self.observe_ttft(url, seconds)
+        elif (s := self._series.get(url)) is not None:
+            s.progress_at = self.clock()
 
     def _close(self, timer: StreamTimer) -> None:
         s = self._series.get(timer.url)
@@ -320,6 +367,7 @@ class LatencyTracker:
             s.ttft.reset()
             s.tpot.reset()
             s.recent.clear()
+            s.ttft_recent.clear()
             s.tpot_count = 0
 
     # -- estimates ---------------------------------------------------------------------------
@@ -330,7 +378,8 @@ class LatencyTracker:
         return series.value
 
     def _pending(self, s: _Series) -> tuple[float, float]:
-        """The oldest wait for a first token, and the longest current gap between tokens."""
+        """The oldest wait for a first token, and the longest current gap between tokens;
+        neither longer than the backend has gone without giving any stream a token."""
         now = self.clock()
         first = gap = 0.0
         for t in s.streams:
@@ -338,23 +387,37 @@ class LatencyTracker:
                 first = max(first, now - t.started)
             else:
                 gap = max(gap, now - t.last)
+        if s.progress_at is not None:
+            idle = now - s.progress_at
+            first, gap = min(first, idle), min(gap, idle)
         return first, gap
 
+    def _robust(self, s: _Series, ttft: bool) -> float | None:
+        """The peak EWMA, no higher than the median of the latest ``robust_n`` observations."""
+        peak = self._fresh(s.ttft if ttft else s.tpot)
+        if peak is None:
+            return None
+        n = self.config.robust_n
+        latest = (
+            list(s.ttft_recent) if ttft else [v for _, v in itertools.islice(reversed(s.recent), n)]
+        )
+        return min(peak, statistics.median(latest)) if latest else peak
+
     def ttft(self, url: str) -> float | None:
-        """Peak-EWMA time to first token, raised to the oldest wait for one."""
+        """Time to first token (``_robust``), raised to the oldest wait for one."""
         s = self._series.get(url)
         if s is None:
             return None
         first, _ = self._pending(s)
-        return _raised(self._fresh(s.ttft), first)
+        return _raised(self._robust(s, ttft=True), first)
 
     def tpot(self, url: str) -> float | None:
-        """Peak-EWMA time per output token, raised to the longest gap now open."""
+        """Time per output token (``_robust``), raised to the longest gap now open."""
         s = self._series.get(url)
         if s is None:
             return None
         _, gap = self._pending(s)
-        return _raised(self._fresh(s.tpot), gap)
+        return _raised(self._robust(s, ttft=False), gap)
 
     def recent_tpot(self, url: str) -> float | None:
         """The ejection signal: the median TPOT of the observations in the ``window_s`` up to
@@ -402,10 +465,10 @@ class LatencyTracker:
         mine = (self.ttft(url), self.tpot(url))
         refs = (
             median_or_none(
-                v for o in self._series.values() if (v := self._fresh(o.ttft)) is not None
+                v for o in self._series.values() if (v := self._robust(o, True)) is not None
             ),
             median_or_none(
-                v for o in self._series.values() if (v := self._fresh(o.tpot)) is not None
+                v for o in self._series.values() if (v := self._robust(o, False)) is not None
             ),
         )
         ratios = [

@@ -325,7 +325,8 @@ def test_one_stream_stuck_for_long_is_not_an_outlier(clock):
     for _ in range(50):
         traffic.run({"b0": 0.01, "b1": 0.01}, 0.1)
         assert d.update().ejected == []
-    assert tracker.cost("b0") > 10 * tracker.cost("b1")  # routing stays wary of it a while
+    # Nor does routing steer by it: one request's odd wait says nothing of the next one's.
+    assert tracker.cost("b0") == pytest.approx(tracker.cost("b1"))
 
 
 def test_the_signal_turns_within_the_window(clock):
@@ -666,3 +667,67 @@ def test_guards_hold_as_backends_turn_slow_and_fast(n, share, slow_at_first, pla
             assert any(a != e and a not in out for a in available)
         for r in changes.returned:  # ``before`` may already have let it back, lazily
             assert r not in out or r in changes.ejected
+
+
+def test_a_request_held_while_others_stream_does_not_make_the_backend_slow(clock):
+    """A backend that holds one request back (waiting for KV room) while it streams tokens to
+    the others is not stopped: the held request's age does not raise its estimates; once it
+    gives no stream a token, every open wait counts from its last token."""
+    t = LatencyTracker(LatencyConfig(), clock, ["b0", "b1"])
+    for url in ("b0", "b1"):
+        t.observe_ttft(url, 0.1)
+        t.observe_tpot(url, 0.05)
+    held = t.stream("b0")
+    flowing = t.stream("b0")
+    clock.advance(0.05)
+    flowing.tokens(1)
+    for _ in range(100):  # five seconds of tokens to the other stream
+        clock.advance(0.05)
+        flowing.tokens(1)
+    assert t.ttft("b0") <= 0.1  # not the held request's five seconds
+    assert t.cost("b0") <= t.cost("b1")  # not fifty times it: the held request's age
+    clock.advance(2.0)  # then nothing comes from it at all
+    assert t.ttft("b0") == pytest.approx(2.0) and t.tpot("b0") == pytest.approx(2.0)
+    assert t.cost("b0") > 10 * t.cost("b1")
+    held.close()
+    flowing.close()
+
+
+def test_routing_believes_a_peak_once_the_latest_observations_agree(clock):
+    """One long wait (a long prompt held for KV room) does not make a backend expensive; the
+    same wait for most of the latest requests does, at once."""
+    urls = ("b0", "b1", "b2")
+    t = LatencyTracker(LatencyConfig(robust_n=5), clock, list(urls))
+    for _ in range(5):
+        clock.advance(0.2)
+        for url in urls:
+            t.observe_ttft(url, 0.1)
+            t.observe_tpot(url, 0.05)
+    t.observe_ttft("b0", 7.0)
+    t.observe_tpot("b0", 1.2)  # a long request's gap, preempted for short ones
+    assert t.cost("b0") == pytest.approx(1.0)
+    t.observe_ttft("b0", 7.0)
+    t.observe_ttft("b0", 7.0)
+    assert t.ttft("b0") == pytest.approx(7.0) and t.cost("b0") == pytest.approx(70.0)
+
+
+def test_only_a_request_of_typical_size_times_the_first_token(clock):
+    """A long prompt's first token takes its prefill (or its wait for KV room) on any backend:
+    it does not time the backend's TTFT, though its tokens still show the backend is alive."""
+    t = LatencyTracker(LatencyConfig(), clock, ["b0", "b1"])
+    for _ in range(10):
+        with t.stream("b1", 1000) as s:
+            clock.advance(0.1)
+            s.tokens(1)
+    with t.stream("b0", 1500) as s:  # typical: within twice the median
+        clock.advance(0.1)
+        s.tokens(1)
+    assert t.ttft("b0") == pytest.approx(0.1)
+    with t.stream("b0", 8000) as long:
+        clock.advance(5.0)
+        long.tokens(1)
+        assert t.ttft("b0") == pytest.approx(0.1)  # not five seconds
+        held = t.stream("b0", 8000)
+        clock.advance(3.0)  # nothing at all comes from it now: waits count again
+        assert t.ttft("b0") == pytest.approx(3.0)
+        held.close()
