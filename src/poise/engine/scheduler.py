@@ -11,8 +11,11 @@ least a block's worth, so that a prompt always progresses), and a new request st
 that leaves room and the running set is under the budget's cap: the running set grows only as
 far as a step can serve it within its time. Past that room one short prompt a step, of the best
 priority, still starts with its whole prompt (``SHORT_PROMPT_BLOCKS``) where it takes nobody's
-seat or blocks: a long prompt's chunks would otherwise hold every short one's first token for
-the steps they take (vLLM's ``max_long_partial_prefills`` answers the same problem).
+blocks, and no seat but a prefilling long request's (below): a long prompt's chunks would
+otherwise hold every short one's first token for the steps they take (vLLM's
+``max_long_partial_prefills`` answers the same problem). Only a prompt of typical size may
+spend what earlier steps banked of their time (``StepBudget``); a large request's chunks fit
+in the step's own time, since a step the bank lengthens delays every first token behind it.
 
 Running requests are served first, best (priority, arrival) first. Preemption frees a running
 request's blocks and sends it back to the waiting queue to be recomputed later (its full blocks
@@ -42,7 +45,9 @@ usually survive in the prefix cache). It chooses its victims by priority, then b
   running one of no better priority that wants more than twice its blocks (and more than the
   typical request): the long one waits, not the short one. Running slots likewise: a request
   of more than twice the typical footprint does not take one of the last four slots under the
-  cap while smaller ones wait behind it.
+  cap while smaller ones wait behind it, and a typical request that finds no slot takes the
+  seat of a large one of its priority less than halfway through its prompt and never
+  preempted, where it then starts (``_large_prefill_seat``).
 
 A request preempted ``max_preemptions`` times is no longer chosen as a victim, so no request can
 be starved by repeated preemption; only when nothing at all could run is the cap set aside, since
@@ -548,6 +553,7 @@ class Scheduler:
         short_past_room = self._short_past_room()
         spends_bank = self._spends_bank()
         unbanked = self._room(scheduled, banked=False)
+        started: set[str] = set()  # in this step: nobody takes their seats
         now = self.clock()
         while i < len(self.waiting):
             request = self.waiting[i]
@@ -555,7 +561,7 @@ class Scheduler:
                 i += 1  # it gave its place up in this step: not back in the same one
                 continue
             # Past the step's prompt room, only a short prompt starts (``SHORT_PROMPT_BLOCKS``),
-            # and only where nobody's seat or blocks are taken for it.
+            # and only where nobody's blocks, and no seat but a prefilling long one's, are taken.
             past_room = room is not None and room <= 0
             overdue = self._passed_over_too_long(request, now)
             if not request.is_probe:
@@ -563,10 +569,13 @@ class Scheduler:
                     break
                 if (
                     not past_room
+                    and not overdue
                     and unbanked is not None
                     and unbanked <= 0
                     and not spends_bank(request)
                 ):
+                    if request.passed_over_since is None:
+                        request.passed_over_since = now
                     i += 1  # only banked room is left, and it is not for a large prompt
                     continue
                 if past_room:
@@ -596,15 +605,18 @@ class Scheduler:
                     i += 1  # it waits for more slots; a smaller one behind it takes this one
                     continue
                 if not self._has_slot(request, max_running):
-                    victim = self._seat_of(request, max_running, past_room)
+                    victim = self._seat_of(request, max_running, past_room, started)
                     if victim is None:
                         break
                     self._preempt(victim, preempted)
+                    if victim.priority == request.priority:  # a long one's seat
+                        victim.passed_over_since = victim.arrival_time
                     freed = self._unschedule(scheduled, victim.request_id)
                     budget += freed
                     if room is not None and unbanked is not None and freed > 1:
                         room += freed  # a prompt chunk's room, back for whoever takes it
                         unbanked += freed
+                    headroom = room_floor = None  # its blocks came back
                     continue
             hits = self.kv.get_computed_blocks(request)
             n_cached = len(hits) * bs
@@ -682,6 +694,7 @@ class Scheduler:
                         (request.num_prompt_tokens, request.max_tokens, request.runs_to_max_tokens)
                     )
             self.running.append(request)
+            started.add(request.request_id)
             scheduled.append(self._scheduled(request, n))
             budget = max(0, budget - n)
             if headroom is not None:
@@ -767,41 +780,55 @@ class Scheduler:
                 return chosen
         return []
 
-    def _seat_of(self, request: Request, max_running: int, past_room: bool) -> Request | None:
+    def _seat_of(
+        self, request: Request, max_running: int, past_room: bool, started: set[str]
+    ) -> Request | None:
         """Whom ``request``, finding no slot, may take the seat of (preempted): a worse-priority
         request when the running set is full in all (``max_num_seqs``) though not for its
         priority, unless the step is past its prompt room; else a large request of its own
-        priority still prefilling (``_large_prefill_seat``)."""
+        priority still prefilling (``_large_prefill_seat``), none of those in ``started``."""
         full = len(self.running) >= self.config.max_num_seqs
         ahead = self._ahead(request.priority)
         if full and ahead < max_running:
             return None if past_room else self._priority_victim(request)
-        return self._large_prefill_seat(request)
+        if ahead - 1 >= max_running:
+            return None  # one seat less would still leave it none
+        return self._large_prefill_seat(request, started)
 
-    def _large_prefill_seat(self, request: Request) -> Request | None:
+    def _large_prefill_seat(self, request: Request, started: set[str]) -> Request | None:
         """A running request of ``request``'s priority, more than twice the typical footprint,
-        still prefilling (nothing streamed yet, so only compute is lost and its full blocks stay
-        in the prefix cache), whose seat a typical ``request`` takes: the one that has computed
-        least. Long requests take the last slots while no short one waits (else nobody takes
-        them: the cap grows only as far as requests run); when a short one then comes, the
-        long one's first token waits a step, not the short one's for every step of the long
-        prompt's chunks (after the pool came back in kv-exhaustion, short requests waited
-        0.3 s for a slot so)."""
+        less than halfway through its prompt (nothing streamed, little computed, and with
+        prefix caching its full blocks stay cached) and never preempted, whose seat a typical
+        ``request`` takes: the one that has computed least. Only where ``request`` then fits
+        the pool's headroom. Long requests take the last slots while no short one waits (else
+        nobody takes them: the cap grows only as far as requests run); when a short one then
+        comes, the long one's first token waits, not the short one's for every step of the
+        long prompt's chunks (after the pool came back in kv-exhaustion, short requests waited
+        0.3 s for a slot so). Once displaced, a long request keeps its seat the next time, and
+        counts as passed over since it arrived (``MAX_PASSED_OVER_S`` still bounds its wait)."""
         typical = self.typical_footprint
-        if request.is_probe or is_large(self.footprint_blocks(request), typical):
+        own = self.footprint_blocks(request)
+        if request.is_probe or is_large(own, typical):
             return None
-        cap = self.config.max_preemptions
         candidates = [
             r
             for r in self.running
             if r.priority == request.priority
             and not r.is_probe
-            and r.num_preemptions < cap
+            and r.num_preemptions == 0
+            and r.request_id not in started
             and not r.output_token_ids
-            and r.num_uncomputed_tokens > 1
+            and 2 * r.num_computed_tokens < r.num_prompt_tokens
             and is_large(self.footprint_blocks(r), typical)
         ]
-        return min(candidates, key=lambda r: r.num_computed_tokens) if candidates else None
+        if not candidates:
+            return None
+        victim = min(candidates, key=lambda r: r.num_computed_tokens)
+        if self.config.kv_headroom:
+            headroom, _ = self._headroom()
+            if own > headroom + self.footprint_blocks(victim):
+                return None  # it would not start even in the long one's place
+        return victim
 
     def _headroom(self) -> tuple[int, int]:
         """Free blocks less those the running requests are projected to grow into, and the

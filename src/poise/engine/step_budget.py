@@ -19,7 +19,7 @@ far as the hardware can serve it within the budget; what cannot start waits, and
 control refuses it early once the wait is predicted too long.
 
 The objective is a request's mean time per output token, not each step's: decode steps that end
-early bank what they leave of ``target_s``, and a prompt chunk may spend it (up to
+early bank what they leave of ``target_s``, and a typical prompt's chunk may spend it (up to
 ``bank_targets`` targets). On one core a 256-token prompt otherwise crept in at 15 tokens a step
 and missed its time to first token while the running requests' mean stayed well inside theirs.
 

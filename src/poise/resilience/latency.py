@@ -10,11 +10,17 @@ with weight ``1 - exp(-dt/tau)``, dt the time since the last one, so that the es
 pessimistic at once and forgiving slowly. Work still outstanding counts too: a request that
 has waited longer than the estimate for its first token, or a stream whose current gap
 between tokens is longer than the estimate, raises it to that age, since a backend that has
-stopped produces no observations at all; but no higher than the time since the backend last
-gave any stream a token. A backend that streams is not stopped: a request it holds on purpose
-(a long one waiting for KV room while short ones start past it) says nothing of what the next
-request will wait, and counted as its age it made whichever replica held the oldest such
-request look seconds slow, so that the other took the short traffic until its pool ran out.
+stopped produces no observations at all.
+
+Only requests of typical size time a backend (``LatencyConfig.large_factor``): a long prompt's
+first token takes its prefill, or its wait for KV room, whatever the backend's speed, and a long
+request preempted for short ones has a gap of seconds. When one replica happened to hold the
+long requests of kv-exhaustion, its TTFT read 6-7 s and the other took every short request
+until its pool ran out. A large request's tokens still show the backend alive, and its open
+wait counts, but for no longer than the backend has gone without giving any stream a token:
+a hung backend is seen as before, one that holds a long request for room while it streams to
+the others is not.
+
 The cost is the backend's estimate relative to the
 pool's median, a dimensionless multiplier of the pool's load score::
 
@@ -31,7 +37,6 @@ Pure: the clock is injected; no I/O.
 
 from __future__ import annotations
 
-import itertools
 import math
 import statistics
 from collections import deque
@@ -143,16 +148,9 @@ class LatencyConfig:
     # slow gets tried again, and an idle one's old value does not judge the others.
     stale_s: float = 60.0
     probe_history: int = 8  # probe latencies kept per backend
-    # Routing believes a peak only while the median of this many latest observations agrees:
-    # requests differ, and one that waited on purpose (a long prompt held for KV room, a
-    # long request preempted for short ones) is no sign the backend is slow for the next.
-    robust_n: int = 5
-    # Only a request of typical size times a backend's first token: at most ``large_factor``
-    # times the median size of the pool's last ``sizes_window`` requests served (its body, which
-    # grows with its prompt). A long prompt's first token takes its prefill, or its wait for
-    # KV room, whatever the backend's speed; when one replica happened to hold the long
-    # requests, its TTFT read seconds and the other took every short request until its pool
-    # ran out.
+    # Only a request of typical size times a backend: at most ``large_factor`` times the
+    # median size of the pool's last ``sizes_window`` requests served (its body, which grows
+    # with its prompt).
     large_factor: float = 2.0
     sizes_window: int = 64
 
@@ -165,8 +163,8 @@ class LatencyConfig:
             raise ValueError("latency floors must be positive")
         if self.max_cost < 1:
             raise ValueError("max_cost must be at least 1")
-        if self.probe_history < 1 or self.robust_n < 1 or self.sizes_window < 1:
-            raise ValueError("probe_history, robust_n and sizes_window must be at least 1")
+        if self.probe_history < 1 or self.sizes_window < 1:
+            raise ValueError("probe_history and sizes_window must be at least 1")
         if self.large_factor < 1:
             raise ValueError("large_factor must be at least 1")
 
@@ -181,7 +179,6 @@ class _Series:
     streams: set[StreamTimer] = field(default_factory=set)
     tpot_count: int = 0  # TPOT observations since added or reset
     progress_at: float | None = None  # when any token last came from it; None: never
-    ttft_recent: deque[float] = field(default_factory=deque)  # the latest TTFTs
 
 
 class StreamTimer:
@@ -195,8 +192,8 @@ class StreamTimer:
     """
 
     __slots__ = (
-        "_read_at", "_tracker", "backend_s", "closed", "count", "last", "longest_wait", "size",
-        "started", "url",
+        "_read_at", "_tracker", "backend_s", "closed", "count", "large", "last", "longest_wait",
+        "size", "started", "url",
     )  # fmt: skip
 
     def __init__(
@@ -206,6 +203,7 @@ class StreamTimer:
         self.url = url
         self.started = started
         self.size = size  # the request's (its body's length); None: not known
+        self.large = tracker.is_large(size)  # times nothing (``LatencyConfig.large_factor``)
         self.last: float | None = None  # when tokens last came; None: none yet
         self.count = 0  # output tokens so far
         # Time spent waiting on the backend's reads, and the longest such wait. A relay blocked
@@ -230,7 +228,11 @@ class StreamTimer:
             return
         now = self._tracker.clock()
         if self.last is None:
-            self._tracker.observe_first(self.url, now - self.started, self.size)
+            self._tracker.served(self.size)
+        if self.large:
+            self._tracker.progress(self.url)
+        elif self.last is None:
+            self._tracker.observe_ttft(self.url, now - self.started)
         else:
             self._tracker.observe_tpot(self.url, (now - self.last) / n)
         self.count += n
@@ -307,9 +309,6 @@ class LatencyTracker:
         s = self._series.get(url)
         if s is not None:
             s.ttft.observe(seconds)
-            s.ttft_recent.append(seconds)
-            if len(s.ttft_recent) > self.config.robust_n:
-                s.ttft_recent.popleft()
             s.progress_at = self.clock()
 
     def observe_tpot(self, url: str, seconds: float) -> None:
@@ -339,19 +338,24 @@ class LatencyTracker:
             s.streams.add(timer)
         return timer
 
-    def observe_first(self, url: str, seconds: float, size: int | None) -> None:
-        """A stream's first token after ``seconds``, for a request of ``size``: its TTFT when
-        the request is of typical size (``large_factor`` times the median of the latest
-        served, a handful known; or of no size given), else only a sign of life."""
-        if size is None:
-            self.observe_ttft(url, seconds)
-            return
+    def is_large(self, size: int | None) -> bool:
+        """Whether a request of ``size`` is more than ``large_factor`` times the median of the
+        latest served (False while fewer than a handful are known, or with no size)."""
         sizes = self._sizes
-        typical = len(sizes) < 8 or size <= self.config.large_factor * statistics.median(sizes)
-        sizes.append(size)  # of served requests: refused attempts come back many times
-        if typical:
-            self.observe_ttft(url, seconds)
-        elif (s := self._series.get(url)) is not None:
+        if size is None or len(sizes) < 8:
+            return False
+        return size > self.config.large_factor * statistics.median(sizes)
+
+    def served(self, size: int | None) -> None:
+        """A request of ``size`` got its first token: one of the sizes "typical" is read from
+        (served ones: a refused attempt comes back many times)."""
+        if size is not None:
+            self._sizes.append(size)
+
+    def progress(self, url: str) -> None:
+        """A token came from ``url`` that times nothing (a large request's)."""
+        s = self._series.get(url)
+        if s is not None:
             s.progress_at = self.clock()
 
     def _close(self, timer: StreamTimer) -> None:
@@ -367,7 +371,6 @@ class LatencyTracker:
             s.ttft.reset()
             s.tpot.reset()
             s.recent.clear()
-            s.ttft_recent.clear()
             s.tpot_count = 0
 
     # -- estimates ---------------------------------------------------------------------------
@@ -378,46 +381,37 @@ class LatencyTracker:
         return series.value
 
     def _pending(self, s: _Series) -> tuple[float, float]:
-        """The oldest wait for a first token, and the longest current gap between tokens;
-        neither longer than the backend has gone without giving any stream a token."""
+        """The oldest wait for a first token, and the longest current gap between tokens; a
+        large request's no longer than the backend has gone without giving any stream a
+        token."""
         now = self.clock()
+        idle = math.inf if s.progress_at is None else now - s.progress_at
         first = gap = 0.0
         for t in s.streams:
+            wait = now - (t.started if t.last is None else t.last)
+            if t.large:
+                wait = min(wait, idle)
             if t.last is None:
-                first = max(first, now - t.started)
+                first = max(first, wait)
             else:
-                gap = max(gap, now - t.last)
-        if s.progress_at is not None:
-            idle = now - s.progress_at
-            first, gap = min(first, idle), min(gap, idle)
+                gap = max(gap, wait)
         return first, gap
 
-    def _robust(self, s: _Series, ttft: bool) -> float | None:
-        """The peak EWMA, no higher than the median of the latest ``robust_n`` observations."""
-        peak = self._fresh(s.ttft if ttft else s.tpot)
-        if peak is None:
-            return None
-        n = self.config.robust_n
-        latest = (
-            list(s.ttft_recent) if ttft else [v for _, v in itertools.islice(reversed(s.recent), n)]
-        )
-        return min(peak, statistics.median(latest)) if latest else peak
-
     def ttft(self, url: str) -> float | None:
-        """Time to first token (``_robust``), raised to the oldest wait for one."""
+        """Peak-EWMA time to first token, raised to the oldest wait for one."""
         s = self._series.get(url)
         if s is None:
             return None
         first, _ = self._pending(s)
-        return _raised(self._robust(s, ttft=True), first)
+        return _raised(self._fresh(s.ttft), first)
 
     def tpot(self, url: str) -> float | None:
-        """Time per output token (``_robust``), raised to the longest gap now open."""
+        """Peak-EWMA time per output token, raised to the longest gap now open."""
         s = self._series.get(url)
         if s is None:
             return None
         _, gap = self._pending(s)
-        return _raised(self._robust(s, ttft=False), gap)
+        return _raised(self._fresh(s.tpot), gap)
 
     def recent_tpot(self, url: str) -> float | None:
         """The ejection signal: the median TPOT of the observations in the ``window_s`` up to
@@ -465,10 +459,10 @@ class LatencyTracker:
         mine = (self.ttft(url), self.tpot(url))
         refs = (
             median_or_none(
-                v for o in self._series.values() if (v := self._robust(o, True)) is not None
+                v for o in self._series.values() if (v := self._fresh(o.ttft)) is not None
             ),
             median_or_none(
-                v for o in self._series.values() if (v := self._robust(o, False)) is not None
+                v for o in self._series.values() if (v := self._fresh(o.tpot)) is not None
             ),
         )
         ratios = [

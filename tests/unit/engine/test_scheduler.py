@@ -757,6 +757,44 @@ def test_a_short_request_takes_the_last_seat_from_a_long_prompt_still_prefilling
     assert short.status is RequestStatus.RUNNING and len(s.running) == 4
 
 
+def test_a_seat_is_taken_only_where_the_short_request_then_starts():
+    """The cap fell below what runs (a step ran over), or the pool has no room for the short
+    request even in the long one's place: the long one keeps its seat."""
+    s = _three_typical_at_a_cap_of_four()
+    long = add(s, "long", 100, max_tokens=40, first=1000)
+    run_step(s)
+    s.time_budget = FixedStepBudget(tokens=20, cap=2)
+    short = add(s, "short", 8, max_tokens=4, first=2000)
+    out = run_step(s)
+    assert not out.preempted_request_ids and short.status is RequestStatus.WAITING
+    s.time_budget = FixedStepBudget(tokens=20, cap=4)
+    s.kv.limit = sum(s.kv.num_held_blocks(r.request_id) for r in s.running) + 4
+    out = run_step(s)
+    assert not out.preempted_request_ids and long.status is RequestStatus.RUNNING
+
+
+def test_a_long_request_gives_its_seat_up_once_and_counts_as_waiting_since_it_came():
+    s, clock = make_scheduler(blocks=256, max_num_batched_tokens=256)
+    for i in range(3):
+        add(s, f"d{i}", 4, max_tokens=40, first=100 * i)
+    run_step(s)
+    s.time_budget = FixedStepBudget(tokens=20, cap=4)
+    clock.now = 5.0
+    long = add(s, "long", 200, max_tokens=40, first=1000)
+    run_step(s)
+    clock.now = 6.0
+    short = add(s, "short", 8, max_tokens=4, first=2000)
+    out = run_step(s)
+    assert out.preempted_request_ids == ["long"] and long.passed_over_since == 5.0
+    for _ in range(6):
+        run_step(s)  # the short one's answer, then the long one's seat back
+    assert short.status is RequestStatus.FINISHED_LENGTH
+    assert long.status is RequestStatus.RUNNING
+    add(s, "again", 8, max_tokens=4, first=3000)
+    out = run_step(s)
+    assert not out.preempted_request_ids and long.status is RequestStatus.RUNNING
+
+
 def test_a_long_request_that_has_streamed_keeps_its_seat():
     s = _three_typical_at_a_cap_of_four()
     long = add(s, "long", 12, max_tokens=100, first=1000)  # 28 blocks: large
