@@ -338,9 +338,9 @@ class Forwarder:
             Tracing.inject(sent_headers, span)
         started = self.clock()
         backend.inflight += 1
-        # A stream's first token (when the request is of typical size) and the gaps after it
-        # time the backend for routing; a whole answer's duration says more about its length
-        # than about the backend.
+        # A stream's first token and the gaps after it time the backend for routing (a stream
+        # of typical size: ``LatencyConfig.large_factor``); a whole answer's duration says
+        # more about its length than about the backend.
         timer = pool.latency.stream(backend.url, len(body)) if stream else None
         # A resumed stream's journey begins with the backend it broke on: not a first pick.
         first = len(journey.tried) == 1 and journey.retries == 0

@@ -116,6 +116,10 @@ class PeakEwma(TimeEwma):
         return max(x, old * weight + x * (1.0 - weight))  # never below it, rounding included
 
 
+# Served requests' sizes known before any request counts as large.
+SIZES_KNOWN = 8
+
+
 def _raised(value: float | None, pending_s: float) -> float | None:
     if value is None:
         return pending_s if pending_s > 0 else None
@@ -331,7 +335,7 @@ class LatencyTracker:
 
     def stream(self, url: str, size: int | None = None) -> StreamTimer:
         """A timer for one attempt's stream, started now; ``size``: the request's (its body's
-        length), which decides whether its first token is timed (``large_factor``)."""
+        length), which decides whether the stream times the backend (``large_factor``)."""
         timer = StreamTimer(self, url, self.clock(), size)
         s = self._series.get(url)
         if s is not None:
@@ -342,7 +346,7 @@ class LatencyTracker:
         """Whether a request of ``size`` is more than ``large_factor`` times the median of the
         latest served (False while fewer than a handful are known, or with no size)."""
         sizes = self._sizes
-        if size is None or len(sizes) < 8:
+        if size is None or len(sizes) < SIZES_KNOWN:
             return False
         return size > self.config.large_factor * statistics.median(sizes)
 
