@@ -134,6 +134,8 @@ class Timeline:
     backends: dict[str, list[str]]  # per backend URL, per sample: routed, half-open, out, ?
     kv_used_blocks: list[list[int | None]]  # per replica, per sample
     kv_capacity_blocks: list[list[int | None]] = field(default_factory=list)  # the same way
+    # The most held or owed to running requests since the capacity last changed, as read.
+    kv_peak_blocks: list[list[int | None]] = field(default_factory=list)
 
     @classmethod
     def of(
@@ -156,18 +158,6 @@ class Timeline:
         for smp in samples:
             for b in backends:
                 states[b].append(_backend_state(smp, b))
-        replicas = max((len(smp.replicas) for smp in samples), default=0)
-        kv = [
-            [smp.replicas[i].kv_used_blocks if i < len(smp.replicas) else None for smp in samples]
-            for i in range(replicas)
-        ]
-        capacity = [
-            [
-                smp.replicas[i].kv_capacity_blocks if i < len(smp.replicas) else None
-                for smp in samples
-            ]
-            for i in range(replicas)
-        ]
         return cls(
             list(range(n)),
             counts["completed"],
@@ -176,9 +166,19 @@ class Timeline:
             p99,
             [round(smp.t, 3) for smp in samples],
             states,
-            kv,
-            capacity,
+            _per_replica(samples, "kv_used_blocks"),
+            _per_replica(samples, "kv_capacity_blocks"),
+            _per_replica(samples, "kv_peak_blocks"),
         )
+
+
+def _per_replica(samples: list[Sample], reading: str) -> list[list[int | None]]:
+    """One of the replicas' readings, per replica, per sample (None where it did not answer)."""
+    replicas = max((len(smp.replicas) for smp in samples), default=0)
+    return [
+        [getattr(smp.replicas[i], reading) if i < len(smp.replicas) else None for smp in samples]
+        for i in range(replicas)
+    ]
 
 
 def _backend_state(s: Sample, backend: str) -> str:

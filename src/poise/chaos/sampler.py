@@ -30,6 +30,8 @@ class ReplicaSample:
     up: bool  # answered /debug/state as a poise replica; if not, every count below is None
     kv_used_blocks: int | None = None
     kv_capacity_blocks: int | None = None  # the pool, or what a fault limits it to
+    # The most held or owed to running requests at once since the capacity last changed.
+    kv_peak_blocks: int | None = None
     preemptions: int | None = None
     inflight: int | None = None
 
@@ -63,10 +65,12 @@ def replica_sample(state: dict[str, Any] | None) -> ReplicaSample:
         return ReplicaSample(False)
     try:
         kv = state["kv_cache"]
+        peak = kv.get("peak_committed_blocks")  # optional: the leak check needs only what is held
         return ReplicaSample(
             True,
             kv_used_blocks=int(kv["total_blocks"]) - int(kv["free_blocks"]),
             kv_capacity_blocks=int(kv["total_blocks"]),
+            kv_peak_blocks=None if peak is None else int(peak),
             preemptions=int(state["engine"]["preemptions_total"]),
             inflight=int(state["inflight_requests"]),
         )

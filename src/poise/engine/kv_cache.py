@@ -73,6 +73,11 @@ class KVCacheManager:
     _cached: dict[int, int] = field(init=False)  # block hash -> block id
     _tables: dict[str, list[int]] = field(init=False)
     stats: PrefixCacheStats = field(init=False)
+    # The most blocks committed at once (held, or owed to running requests as they grow) since
+    # the capacity last changed, and that capacity: a high-water mark a reader polling the
+    # pool now and then would miss between readings.
+    _peak_committed: int = field(init=False, default=0)
+    _peak_capacity: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:
         if self.num_blocks < 1 or self.block_size < 1:
@@ -97,8 +102,24 @@ class KVCacheManager:
     def _available(self, free: int) -> int:
         if self.limit is None:
             return free
-        held = self.num_blocks - len(self._free)
-        return max(0, min(free, self.limit - held))
+        return max(0, min(free, self.limit - self.held_blocks))
+
+    @property
+    def held_blocks(self) -> int:
+        """Blocks referenced by live requests (free cached blocks are not held)."""
+        return self.num_blocks - len(self._free)
+
+    @property
+    def peak_committed_blocks(self) -> int:
+        """The most blocks committed at once since the capacity (``limit``) last changed: held,
+        or owed to running requests (what they will still grow into) as last noted."""
+        held = self.held_blocks
+        return held if self.capacity != self._peak_capacity else max(self._peak_committed, held)
+
+    def note_committed(self, owed: int = 0) -> None:
+        """Fold what is held now, and ``owed`` blocks more, into the high-water mark."""
+        self._peak_committed = max(self.peak_committed_blocks, self.held_blocks + max(0, owed))
+        self._peak_capacity = self.capacity
 
     @property
     def num_cached_blocks(self) -> int:
@@ -108,8 +129,7 @@ class KVCacheManager:
     def usage(self) -> float:
         """Share of the pool referenced by live requests (free cached blocks count as free);
         of the blocks ``limit`` leaves, while it is set."""
-        held = self.num_blocks - len(self._free)
-        return min(1.0, held / max(1, self.capacity))
+        return min(1.0, self.held_blocks / max(1, self.capacity))
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -208,6 +228,7 @@ class KVCacheManager:
         for _ in range(max(need, 0)):
             new_table.append(self._take_free_block())
         self._tables[request.request_id] = new_table
+        self.note_committed()
         return True
 
     def _take_free_block(self) -> int:

@@ -184,6 +184,10 @@ STATE = {
 def test_a_replica_sample_reads_what_is_held_or_marks_it_unreadable():
     s = replica_sample({**STATE, "kv_cache": {"total_blocks": 10, "free_blocks": 7}})
     assert (s.up, s.kv_used_blocks, s.preemptions, s.inflight) == (True, 3, 2, 0)
+    assert s.kv_peak_blocks is None  # not every replica says it: nothing is made up
+    s = replica_sample({**STATE, "kv_cache": {"total_blocks": 10, "free_blocks": 7,
+                                              "peak_committed_blocks": 9}})  # fmt: skip
+    assert (s.kv_used_blocks, s.kv_peak_blocks) == (3, 9)
     for unreadable in (None, {}, {"role": "gateway"}, {**STATE, "engine": None},
                        {**STATE, "inflight_requests": "many"}):  # fmt: skip
         s = replica_sample(unreadable)
