@@ -30,8 +30,8 @@ class ReplicaSample:
     up: bool  # answered /debug/state as a poise replica; if not, every count below is None
     kv_used_blocks: int | None = None
     kv_capacity_blocks: int | None = None  # the pool, or what a fault limits it to
-    # The most held or owed to running requests at once since the capacity last changed.
-    kv_peak_blocks: int | None = None
+    # The most blocks wanted at once since the capacity last changed (None: not reported).
+    kv_peak_demand_blocks: int | None = None
     preemptions: int | None = None
     inflight: int | None = None
 
@@ -65,17 +65,23 @@ def replica_sample(state: dict[str, Any] | None) -> ReplicaSample:
         return ReplicaSample(False)
     try:
         kv = state["kv_cache"]
-        peak = kv.get("peak_committed_blocks")  # optional: the leak check needs only what is held
         return ReplicaSample(
             True,
             kv_used_blocks=int(kv["total_blocks"]) - int(kv["free_blocks"]),
             kv_capacity_blocks=int(kv["total_blocks"]),
-            kv_peak_blocks=None if peak is None else int(peak),
+            kv_peak_demand_blocks=_count(kv.get("peak_demand_blocks")),
             preemptions=int(state["engine"]["preemptions_total"]),
             inflight=int(state["inflight_requests"]),
         )
-    except (KeyError, TypeError, ValueError):
+    except (KeyError, TypeError, ValueError, AttributeError):
         return ReplicaSample(False)  # not the state this reads: unreadable, not empty
+
+
+def _count(value: object) -> int | None:
+    """An optional reading (the leak check needs only what is held): a count, or None."""
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    return None
 
 
 def gateway_sample(t: float, state: dict[str, Any] | None) -> Sample:

@@ -493,6 +493,10 @@ class Scheduler:
             output = min(output, max(self.typical_output, len(request.output_token_ids) + 1))
         return self.kv.blocks_needed(request.num_prompt_tokens + output)
 
+    def waiting_footprint_blocks(self) -> int:
+        """Blocks the waiting requests are projected to fill, all together."""
+        return sum(self.footprint_blocks(r) for r in self.waiting)
+
     def kv_picture(self) -> KVPicture:
         """The pool's fragmentation and the queue's demand on it (see ``KVPicture``)."""
         bs = self.kv.block_size

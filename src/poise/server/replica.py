@@ -185,9 +185,10 @@ class Replica:
                 "usage": stats.kv_usage,
                 "free_blocks": stats.num_free_blocks,
                 "total_blocks": stats.num_blocks,  # the pool, or what a fault limits it to
-                # The most held, or owed to running requests as they grow, at once since
-                # total_blocks last changed (a high-water mark a poller misses between readings).
-                "peak_committed_blocks": stats.peak_committed_blocks,
+                # The most blocks wanted at once (held, owed to running requests as they grow,
+                # needed by waiting ones) since total_blocks last changed: above it, the pool
+                # ran short. A high-water mark a poller would miss between its readings.
+                "peak_demand_blocks": stats.peak_demand_blocks,
                 "headroom_blocks": min(stats.forecast.kv_headroom_blocks, stats.num_free_blocks),
                 "allocated_slots": stats.kv.allocated_slots,
                 "unused_slots": stats.kv.unused_slots,
