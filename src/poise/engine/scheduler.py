@@ -46,8 +46,9 @@ usually survive in the prefix cache). It chooses its victims by priority, then b
   typical request): the long one waits, not the short one. Running slots likewise: a request
   of more than twice the typical footprint does not take one of the last four slots under the
   cap while smaller ones wait behind it, and a typical request that finds no slot takes the
-  seat of a large one of its priority less than halfway through its prompt and never
-  preempted, where it then starts (``_large_prefill_seat``).
+  seat of a large one of its priority still prefilling its prompt (with prefix caching, whose
+  full blocks stay cached; without, in its first half) and never preempted, where it then
+  starts (``_large_prefill_seat``).
 
 A request preempted ``max_preemptions`` times is no longer chosen as a victim, so no request can
 be starved by repeated preemption; only when nothing at all could run is the cap set aside, since
@@ -801,8 +802,8 @@ class Scheduler:
 
     def _large_prefill_seat(self, request: Request, started: set[str]) -> Request | None:
         """A running request of ``request``'s priority, more than twice the typical footprint,
-        less than halfway through its prompt (nothing streamed, little computed, and with
-        prefix caching its full blocks stay cached) and never preempted, whose seat a typical
+        still prefilling its prompt (nothing streamed; ``_seat_given_up_before``) and never
+        preempted, whose seat a typical
         ``request`` takes: the one that has computed least. Only where ``request`` then fits
         the pool's headroom. Long requests take the last slots while no short one waits (else
         nobody takes them: the cap grows only as far as requests run); when a short one then
@@ -822,7 +823,7 @@ class Scheduler:
             and r.num_preemptions == 0
             and r.request_id not in started
             and not r.output_token_ids
-            and 2 * r.num_computed_tokens < r.num_prompt_tokens
+            and r.num_computed_tokens < self._seat_given_up_before(r)
             and is_large(self.footprint_blocks(r), typical)
         ]
         if not candidates:
@@ -833,6 +834,15 @@ class Scheduler:
             if own > headroom + self.footprint_blocks(victim):
                 return None  # it would not start even in the long one's place
         return victim
+
+    def _seat_given_up_before(self, request: Request) -> int:
+        """How far into its prompt a long request still gives its seat up. With prefix caching
+        the whole prompt: the blocks it filled stay cached when it is preempted (evictable, but
+        found again unless the pool needed them), so it loses at most a block's worth of
+        tokens; without, its first half only, since all it computed is computed again."""
+        if self.kv.enable_prefix_caching:
+            return request.num_prompt_tokens
+        return (request.num_prompt_tokens + 1) // 2
 
     def _headroom(self) -> tuple[int, int]:
         """Free blocks less those the running requests are projected to grow into, and the

@@ -757,6 +757,28 @@ def test_a_short_request_takes_the_last_seat_from_a_long_prompt_still_prefilling
     assert short.status is RequestStatus.RUNNING and len(s.running) == 4
 
 
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_a_long_prompt_past_its_half_gives_its_seat_up_only_where_its_blocks_stay_cached(
+    prefix_caching,
+):
+    """Past half of a 100-token prompt, 20 tokens a step: with prefix caching its filled
+    blocks stay cached and it loses at most a block's worth, so the short request still takes
+    its seat; without, all it computed would be computed again, and it keeps the seat."""
+    s = _three_typical_at_a_cap_of_four()
+    s.kv.enable_prefix_caching = prefix_caching
+    long = add(s, "long", 100, max_tokens=40, first=1000)
+    for _ in range(4):
+        run_step(s)
+    assert long.status is RequestStatus.RUNNING and 50 < long.num_computed_tokens < 100
+    short = add(s, "short", 8, max_tokens=4, first=2000)
+    out = run_step(s)
+    if prefix_caching:
+        assert out.preempted_request_ids == ["long"] and short.status is RequestStatus.RUNNING
+    else:
+        assert not out.preempted_request_ids and short.status is RequestStatus.WAITING
+        assert long.status is RequestStatus.RUNNING
+
+
 def test_a_seat_is_taken_only_where_the_short_request_then_starts():
     """The cap fell below what runs (a step ran over), or the pool has no room for the short
     request even in the long one's place: the long one keeps its seat."""
