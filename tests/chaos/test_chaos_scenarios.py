@@ -131,23 +131,20 @@ def _errors(run: dict[str, Any]) -> None:
 
 def _kv(run: dict[str, Any]) -> None:
     long, steady = run["by_traffic"]["long"], run["by_traffic"]["steady"]
-    # The fault shrank the pools, and they ran short: on some replica more blocks were wanted
-    # at once than its shrunk pool had (held, owed to running requests as they grow, and
-    # needed by waiting ones: its high-water mark since the shrink, which no reading between
-    # two peaks misses).
+    # The fault shrank the pools, and they ran short: some replica held requests back for
+    # lack of KV room while it was shrunk (a count the replica keeps: no reading between two
+    # peaks misses it).
     tl = run["timeline"]
-    shrunk = [
-        (peak, cap)
-        for peak_series, cap_series in zip(
-            tl["kv_peak_demand_blocks"], tl["kv_capacity_blocks"], strict=True
-        )
-        for peak, cap in zip(peak_series, cap_series, strict=True)
-        if cap is not None and cap < max(c for c in cap_series if c)
-    ]
-    assert shrunk, "the pool never shrank"
-    peaks = [(peak, cap) for peak, cap in shrunk if peak is not None]
-    assert peaks, "no replica reported its pool's peak demand"
-    assert any(peak > cap for peak, cap in peaks), (peaks, run["output"])
+    held_back_for_room = []
+    for waits, caps in zip(tl["kv_room_waits"], tl["kv_capacity_blocks"], strict=True):
+        full = max(c for c in caps if c)
+        shrunk = [k for k, c in enumerate(caps) if c is not None and c < full]
+        assert shrunk, "the pool never shrank"
+        before = [w for w in waits[: shrunk[0]] if w is not None]
+        during = [w for w in waits[shrunk[0] :] if w is not None]
+        assert before and during, f"no count of room waits reported: {waits}"
+        held_back_for_room.append(max(during) - before[-1])
+    assert max(held_back_for_room) > 0, (held_back_for_room, run["output"])
     # Where anyone paid, the long requests did, not the short ones: refused (429 with
     # Retry-After) or kept waiting for room, while the steady traffic was served. (On a
     # quick run the shrunk pool may have had room for all: then nobody paid.)

@@ -134,8 +134,8 @@ class Timeline:
     backends: dict[str, list[str]]  # per backend URL, per sample: routed, half-open, out, ?
     kv_used_blocks: list[list[int | None]]  # per replica, per sample
     kv_capacity_blocks: list[list[int | None]] = field(default_factory=list)  # the same way
-    # The most blocks wanted at once since the capacity last changed, as each sample read it.
-    kv_peak_demand_blocks: list[list[int | None]] = field(default_factory=list)
+    # Requests each replica has held back for lack of KV room since it started, as read.
+    kv_room_waits: list[list[int | None]] = field(default_factory=list)
 
     @classmethod
     def of(
@@ -168,7 +168,7 @@ class Timeline:
             states,
             _per_replica(samples, "kv_used_blocks"),
             _per_replica(samples, "kv_capacity_blocks"),
-            _per_replica(samples, "kv_peak_demand_blocks"),
+            _per_replica(samples, "room_waits"),
         )
 
 

@@ -30,8 +30,8 @@ class ReplicaSample:
     up: bool  # answered /debug/state as a poise replica; if not, every count below is None
     kv_used_blocks: int | None = None
     kv_capacity_blocks: int | None = None  # the pool, or what a fault limits it to
-    # The most blocks wanted at once since the capacity last changed (None: not reported).
-    kv_peak_demand_blocks: int | None = None
+    # Requests held back for lack of KV room since the replica started (None: not reported).
+    room_waits: int | None = None
     preemptions: int | None = None
     inflight: int | None = None
 
@@ -69,7 +69,7 @@ def replica_sample(state: dict[str, Any] | None) -> ReplicaSample:
             True,
             kv_used_blocks=int(kv["total_blocks"]) - int(kv["free_blocks"]),
             kv_capacity_blocks=int(kv["total_blocks"]),
-            kv_peak_demand_blocks=_count(kv.get("peak_demand_blocks")),
+            room_waits=_count(state["engine"].get("room_waits_total")),
             preemptions=int(state["engine"]["preemptions_total"]),
             inflight=int(state["inflight_requests"]),
         )

@@ -93,12 +93,12 @@ class Plan:
             "steady", self.rate, 0.0, self.duration_s, self.prompt_len, self.output_len, key
         )
 
-    def during_fault(self, label: str, rate: float, **kw: Any) -> Traffic:
+    def during_fault(self, label: str, rate: float, after_s: float = 0.0, **kw: Any) -> Traffic:
+        """Traffic from ``after_s`` into the fault to its end."""
         kw.setdefault("prompt_len", self.prompt_len)
         kw.setdefault("output_len", self.output_len)
-        return Traffic(
-            label, rate, self.fault_at_s, self.recover_at_s, counts_for_recovery=False, **kw
-        )
+        start = min(self.fault_at_s + after_s, self.recover_at_s)
+        return Traffic(label, rate, start, self.recover_at_s, counts_for_recovery=False, **kw)
 
 
 Action = Callable[[Harness], None]
@@ -147,6 +147,10 @@ KV_STEADY_MARGIN = 1.25
 KV_LONG_BLOCKS = 28
 KV_READINGS = 5
 KV_READING_GAP_S = 0.25
+# The long requests come once the pool is sized (the readings, and the answers to them), so
+# that what they hold is not read as the steady traffic's need: the pool would have room for
+# them, and nobody would be short of it.
+KV_LONG_AFTER_S = 2.0
 
 
 def _shrink_kv(h: Harness) -> None:
@@ -209,7 +213,8 @@ SCENARIOS: dict[str, Scenario] = {
         Scenario(
             "kv-exhaustion",
             "each replica's KV pool shrinks to what its steady traffic needs and one long "
-            "request more, and long prompts and outputs (25 blocks each) arrive for the hold",
+            "request more, and long prompts and outputs (25 blocks each) arrive for the rest of "
+            "the hold once it is sized",
             _shrink_kv,
             _restore_kv,
             target=None,
@@ -218,6 +223,7 @@ SCENARIOS: dict[str, Scenario] = {
                 plan.during_fault(
                     "long",
                     max(1.0, plan.rate),
+                    KV_LONG_AFTER_S,
                     prompt_len=Lengths(200),
                     output_len=Lengths(200),
                 )

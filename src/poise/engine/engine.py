@@ -253,8 +253,8 @@ class LLMEngine:
             kv_usage=self.kv.usage,
             num_free_blocks=self.kv.num_free_blocks,
             num_blocks=self.kv.capacity,
-            peak_demand_blocks=self.kv.peak_demand_blocks,
             num_preemptions=self.scheduler.num_preemptions_total,
+            num_room_waits=self.scheduler.num_room_waits_total,
             prefix_queried_tokens=self.kv.stats.queried_tokens,
             prefix_hit_tokens=self.kv.stats.hit_tokens,
             step_errors=len(self.timing.failures),
@@ -331,8 +331,6 @@ class LLMEngine:
             preempts_for_room=self.scheduler.config.kv_headroom,
             typical_footprint=self.scheduler.typical_footprint,
         )
-        waiting = self.scheduler.waiting_footprint_blocks()
-        self.kv.note_demand(self.forecast.kv_owed_blocks + waiting)
         self.scheduler.typical_output = self.forecast.typical_output
         self.scheduler.step_s = self.forecast.step_s
         return outputs

@@ -45,7 +45,6 @@ class SlotForecast:
     running_priorities: tuple[int, ...] = ()  # of the running requests; ascending
     block_size: int = 16
     kv_headroom_blocks: int = 1 << 30  # free blocks less what the running will still take
-    kv_owed_blocks: int = 0  # what the running requests will still take (the headroom's debt)
     # Per running request, by steps: when it ends and what it gives back, and who may take
     # its blocks before then (``KVRelease``).
     kv_releases: tuple[KVRelease, ...] = ()
@@ -303,7 +302,6 @@ class SlotForecaster:
             running_priorities=tuple(sorted(priorities)),
             block_size=16 if pool is None else pool.block_size,
             kv_headroom_blocks=1 << 30 if pool is None else pool.free_blocks - owed,
-            kv_owed_blocks=owed,
             kv_releases=tuple(sorted(releases, key=lambda k: k.steps)),
             typical_output=None if typical is None else round(typical),
             typical_footprint=median_footprint(footprints)

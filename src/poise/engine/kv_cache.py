@@ -64,17 +64,15 @@ class KVCacheManager:
     block_size: int
     enable_prefix_caching: bool = True
     sliding_window: int | None = None  # every layer's window, when all have one
-    # At most this many blocks held at once (``limit``; fault injection: a pool that shrinks
-    # under its load); None: the whole pool.
-    _limit: int | None = field(init=False, default=None)
+    # At most this many blocks held at once (fault injection: a pool that shrinks under its
+    # load); None: the whole pool. Blocks held past it stay held; none is taken until under.
+    limit: int | None = None
     blocks: list[Block] = field(init=False)
     # Blocks nobody references, in eviction order (front goes first).
     _free: OrderedDict[int, None] = field(init=False)
     _cached: dict[int, int] = field(init=False)  # block hash -> block id
     _tables: dict[str, list[int]] = field(init=False)
     stats: PrefixCacheStats = field(init=False)
-    # The most blocks wanted at once since the capacity last changed (``peak_demand_blocks``).
-    _peak_demand: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:
         if self.num_blocks < 1 or self.block_size < 1:
@@ -85,24 +83,11 @@ class KVCacheManager:
         self._tables = {}
         self.stats = PrefixCacheStats()
 
-    @property
-    def limit(self) -> int | None:
-        """At most this many blocks held at once; None: the whole pool. Blocks held past it
-        stay held; none is taken until under it."""
-        return self._limit
-
-    @limit.setter
-    def limit(self, blocks: int | None) -> None:
-        before = self.capacity
-        self._limit = blocks
-        if self.capacity != before:  # a new size: its high-water mark starts from what is held
-            self._peak_demand = self.held_blocks
-
     # ----- queries -----
     @property
     def capacity(self) -> int:
         """Blocks that may be held at once: the pool, or ``limit`` while it is set."""
-        return self.num_blocks if self._limit is None else min(self.num_blocks, self._limit)
+        return self.num_blocks if self.limit is None else min(self.num_blocks, self.limit)
 
     @property
     def num_free_blocks(self) -> int:
@@ -112,27 +97,8 @@ class KVCacheManager:
     def _available(self, free: int) -> int:
         if self.limit is None:
             return free
-        return max(0, min(free, self.limit - self.held_blocks))
-
-    @property
-    def held_blocks(self) -> int:
-        """Blocks referenced by live requests (free cached blocks are not held)."""
-        return self.num_blocks - len(self._free)
-
-    @property
-    def peak_demand_blocks(self) -> int:
-        """The most blocks wanted at once since the capacity last changed: those held, and
-        what the engine last noted besides (``note_demand``). A high-water mark a reader polling
-        the pool now and then misses between its readings; above the capacity, the pool ran
-        short (more was wanted than it had). A projection, so it may pass the capacity."""
-        return max(self._peak_demand, self.held_blocks)
-
-    def note_demand(self, wanted: int = 0) -> None:
-        """Fold what is held now, and ``wanted`` blocks more (those the running requests will
-        still grow into and the waiting ones need to start), into the high-water mark."""
-        if wanted < 0:
-            raise ValueError(f"{wanted} blocks wanted")
-        self._peak_demand = max(self._peak_demand, self.held_blocks + wanted)
+        held = self.num_blocks - len(self._free)
+        return max(0, min(free, self.limit - held))
 
     @property
     def num_cached_blocks(self) -> int:
@@ -142,7 +108,8 @@ class KVCacheManager:
     def usage(self) -> float:
         """Share of the pool referenced by live requests (free cached blocks count as free);
         of the blocks ``limit`` leaves, while it is set."""
-        return min(1.0, self.held_blocks / max(1, self.capacity))
+        held = self.num_blocks - len(self._free)
+        return min(1.0, held / max(1, self.capacity))
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -241,8 +208,6 @@ class KVCacheManager:
         for _ in range(max(need, 0)):
             new_table.append(self._take_free_block())
         self._tables[request.request_id] = new_table
-        if need > 0 or reclaimed:  # only then can more be held than before
-            self.note_demand()
         return True
 
     def _take_free_block(self) -> int:

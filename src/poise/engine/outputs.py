@@ -62,10 +62,8 @@ class EngineStats:
     kv_usage: float = 0.0  # share of the pool held by live requests
     num_free_blocks: int = 0
     num_blocks: int = 0  # the pool's blocks (fewer while a fault limits it)
-    # The most blocks wanted at once since the pool's size last changed (held, owed to running
-    # requests, needed by waiting ones): above num_blocks, the pool ran short.
-    peak_demand_blocks: int = 0
     num_preemptions: int = 0
+    num_room_waits: int = 0  # requests held back at least once for lack of KV room
     prefix_queried_tokens: int = 0
     prefix_hit_tokens: int = 0
     step_errors: int = 0

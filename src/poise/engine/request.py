@@ -170,6 +170,7 @@ class Request:
     resume_text_chars: int = 0  # resumed: characters of the first outputs' text already sent
     # When the scheduler first let others start past it for lack of KV room (None: not now).
     passed_over_since: float | None = None
+    waited_for_room: bool = False  # it was held at least once because the pool had no room
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

@@ -176,6 +176,9 @@ class Scheduler:
         self._finished_ids: list[str] = []
         self._newly_finished: list[Request] = []
         self.num_preemptions_total = 0
+        # Requests held back at least once because the KV pool had no room for them (a count
+        # of requests, not of steps): where it rises, the pool ran short.
+        self.num_room_waits_total = 0
         self.time_budget: StepTimeBudget | None = None  # None: the token and seq caps alone
         # Output tokens a request typically produces (the engine's running estimate): projects
         # a request's KV footprint when its max_tokens is far above what it will use.
@@ -494,10 +497,6 @@ class Scheduler:
             output = min(output, max(self.typical_output, len(request.output_token_ids) + 1))
         return self.kv.blocks_needed(request.num_prompt_tokens + output)
 
-    def waiting_footprint_blocks(self) -> int:
-        """Blocks the waiting requests are projected to fill, all together."""
-        return sum(self.footprint_blocks(r) for r in self.waiting)
-
     def kv_picture(self) -> KVPicture:
         """The pool's fragmentation and the queue's demand on it (see ``KVPicture``)."""
         bs = self.kv.block_size
@@ -653,8 +652,7 @@ class Scheduler:
             if not fits and not overdue and room_floor is not None and need + reserve >= room_floor:
                 # No more room than for one passed over before it, and no more victims (those
                 # behind are of no better priority, and want at least as much).
-                if request.passed_over_since is None:
-                    request.passed_over_since = now
+                self._held_for_room(request, now)
                 i += 1
                 continue
             if not fits or not self.kv.allocate_slots(request, n, hits):
@@ -675,8 +673,7 @@ class Scheduler:
                         budget += self._unschedule(scheduled, victim.request_id)
                     headroom = room_floor = None  # room was made: the floor no longer holds
                     continue
-                if request.passed_over_since is None:
-                    request.passed_over_since = now
+                self._held_for_room(request, now)
                 looked_past += 1
                 if overdue or looked_past > MAX_LOOK_PAST:
                     break  # nobody overtakes one passed over for too long: room comes to it
@@ -725,6 +722,14 @@ class Scheduler:
             return left <= min(limit, budget)
 
         return short
+
+    def _held_for_room(self, request: Request, now: float) -> None:
+        """``request`` does not start for lack of KV room: others may pass it, and it counts."""
+        if request.passed_over_since is None:
+            request.passed_over_since = now
+        if not request.waited_for_room:
+            request.waited_for_room = True
+            self.num_room_waits_total += 1
 
     def _crowds_out(self, i: int, max_running: int, preempted: list[str]) -> bool:
         """The ``i``-th waiting request, one of more than twice the typical footprint,
@@ -839,8 +844,12 @@ class Scheduler:
         """How far into its prompt a long request still gives its seat up. With prefix caching
         the whole prompt: the blocks it filled stay cached when it is preempted (evictable, but
         found again unless the pool needed them), so it loses at most a block's worth of
-        tokens; without, its first half only, since all it computed is computed again."""
-        if self.kv.enable_prefix_caching:
+        tokens; without, its first half only, since all it computed is computed again. Also
+        its first half only where a sliding window has already given its first blocks back
+        (they go first when the pool evicts, and a lookup needs the chain from block 0)."""
+        window = self.kv.sliding_window
+        in_window = window is None or request.num_prompt_tokens <= window
+        if self.kv.enable_prefix_caching and in_window:
             return request.num_prompt_tokens
         return (request.num_prompt_tokens + 1) // 2
 

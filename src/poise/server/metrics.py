@@ -30,6 +30,7 @@ class EngineSnapshot:
     waiting: int
     kv_usage: float
     preemptions: int
+    room_waits: int
     prefix_queried_tokens: int
     prefix_hit_tokens: int
     step_errors: int
@@ -68,6 +69,11 @@ class _EngineCollector(Collector):
         yield gauge("vllm:num_requests_waiting", "Requests waiting to run.", s.waiting)
         yield gauge("vllm:kv_cache_usage_perc", "Share of KV blocks held (0-1).", s.kv_usage)
         yield counter("vllm:num_preemptions", "Preemptions (recompute).", s.preemptions)
+        yield counter(
+            "poise_kv_cache_room_waits",
+            "Requests held back at least once because the KV pool had no room for them.",
+            s.room_waits,
+        )
         yield counter(
             "vllm:prefix_cache_queries", "Prompt tokens looked up.", s.prefix_queried_tokens
         )

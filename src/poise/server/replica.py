@@ -131,6 +131,7 @@ class Replica:
             waiting=stats.num_waiting,
             kv_usage=stats.kv_usage,
             preemptions=stats.num_preemptions,
+            room_waits=stats.num_room_waits,
             prefix_queried_tokens=stats.prefix_queried_tokens,
             prefix_hit_tokens=stats.prefix_hit_tokens,
             step_errors=stats.step_errors,
@@ -164,6 +165,7 @@ class Replica:
                 "running": stats.num_running,
                 "waiting": stats.num_waiting,
                 "preemptions_total": stats.num_preemptions,
+                "room_waits_total": stats.num_room_waits,  # requests held for lack of KV room
                 "step_errors_total": stats.step_errors,
                 "seconds_since_progress": round(self.clock() - self.engine.last_progress, 3),
                 "has_work": self.engine.has_work,
@@ -185,10 +187,6 @@ class Replica:
                 "usage": stats.kv_usage,
                 "free_blocks": stats.num_free_blocks,
                 "total_blocks": stats.num_blocks,  # the pool, or what a fault limits it to
-                # The most blocks wanted at once (held, owed to running requests as they grow,
-                # needed by waiting ones) since total_blocks last changed: above it, the pool
-                # ran short. A high-water mark a poller would miss between its readings.
-                "peak_demand_blocks": stats.peak_demand_blocks,
                 "headroom_blocks": min(stats.forecast.kv_headroom_blocks, stats.num_free_blocks),
                 "allocated_slots": stats.kv.allocated_slots,
                 "unused_slots": stats.kv.unused_slots,

@@ -220,6 +220,9 @@ def test_bad_input_changes_nothing(server, client):
     assert server.metric("vllm:prefix_cache_queries_total") == queries  # never reached the engine
     assert server.metric("vllm:num_requests_waiting") == 0
     assert server.metric("vllm:kv_cache_usage_perc") == 0
+    text = httpx.get(server.url + "/metrics", timeout=5).text
+    assert "\npoise_kv_cache_room_waits_total{" in text  # exported, and nobody was held
+    assert server.metric("poise_kv_cache_room_waits_total") == 0
 
 
 def test_one_json_log_line_per_request_with_timings_and_no_text(server):

@@ -184,14 +184,13 @@ STATE = {
 def test_a_replica_sample_reads_what_is_held_or_marks_it_unreadable():
     s = replica_sample({**STATE, "kv_cache": {"total_blocks": 10, "free_blocks": 7}})
     assert (s.up, s.kv_used_blocks, s.preemptions, s.inflight) == (True, 3, 2, 0)
-    assert s.kv_peak_demand_blocks is None  # not every replica says it: nothing is made up
-    for peak, read in ((12, 12), (True, None), (-3, None), ("x", None), (2.5, None)):
-        kv = {"total_blocks": 10, "free_blocks": 7, "peak_demand_blocks": peak}
-        s = replica_sample({**STATE, "kv_cache": kv})
-        assert (s.up, s.kv_used_blocks, s.kv_peak_demand_blocks) == (True, 3, read)
+    assert s.room_waits is None  # not every replica says it: nothing is made up
+    for waits, read in ((12, 12), (True, None), (-3, None), ("x", None), (2.5, None)):
+        s = replica_sample({**STATE, "engine": {"preemptions_total": 2, "room_waits_total": waits}})
+        assert (s.up, s.kv_used_blocks, s.room_waits) == (True, 0, read)
     for unreadable in (None, {}, {"role": "gateway"}, {**STATE, "engine": None},
                        {**STATE, "inflight_requests": "many"}, {**STATE, "kv_cache": None},
-                       {**STATE, "kv_cache": [1]}):  # fmt: skip
+                       {**STATE, "kv_cache": [1]}, {**STATE, "engine": [1]}):  # fmt: skip
         s = replica_sample(unreadable)
         assert not s.up and s.kv_used_blocks is None and s.inflight is None
 

@@ -123,33 +123,3 @@ def test_a_limit_shrinks_the_pool_without_taking_what_is_held():
     assert not kv.allocate_slots(c, 16)  # 4 more would pass the limit (1 + 4 > 4)
     kv.limit = None
     assert kv.capacity == 10 and kv.num_free_blocks == 9 and kv.allocate_slots(c, 16)
-
-
-def test_the_peak_is_the_most_wanted_at_once_since_the_pool_last_changed_size():
-    """A high-water mark a poller would miss between readings: blocks held, or wanted besides
-    as noted; it outlives the blocks given back, starts again from what is held when the
-    capacity changes, and not when a limit leaves the capacity as it was."""
-    kv = KVCacheManager(num_blocks=10, block_size=4)
-    a, b = req("a", list(range(24))), req("b", list(range(100, 108)))
-    assert kv.allocate_slots(a, 24) and kv.allocate_slots(b, 8)  # 6 + 2 held
-    kv.free(a)
-    assert kv.held_blocks == 2 and kv.peak_demand_blocks == 8
-    kv.limit = 10  # the capacity it had: the same mark
-    assert kv.peak_demand_blocks == 8
-    kv.limit = 5  # a new size: the peak counts from here, what is held now first
-    assert kv.peak_demand_blocks == 2
-    kv.note_demand(wanted=2)  # b will grow by two more blocks
-    assert kv.peak_demand_blocks == 4
-    c = req("c", list(range(200, 212)))
-    assert kv.allocate_slots(c, 12)  # 2 + 3 held
-    kv.free(c)
-    kv.free(b)
-    assert kv.held_blocks == 0 and kv.peak_demand_blocks == 5
-    kv.note_demand(wanted=7)  # more wanted than the pool has: it ran short
-    assert kv.peak_demand_blocks == 7 > kv.capacity
-    with pytest.raises(ValueError):
-        kv.note_demand(wanted=-1)
-    kv.limit = None
-    assert kv.peak_demand_blocks == 0
-    kv.limit = 5  # back again: counted anew, not the old mark
-    assert kv.peak_demand_blocks == 0

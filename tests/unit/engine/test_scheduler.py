@@ -770,10 +770,17 @@ def test_a_long_prompt_past_its_half_gives_its_seat_up_only_where_its_blocks_sta
     for _ in range(4):
         run_step(s)
     assert long.status is RequestStatus.RUNNING and 50 < long.num_computed_tokens < 100
+    filled = long.num_computed_tokens - long.num_computed_tokens % 4  # its full blocks' tokens
     short = add(s, "short", 8, max_tokens=4, first=2000)
     out = run_step(s)
     if prefix_caching:
         assert out.preempted_request_ids == ["long"] and short.status is RequestStatus.RUNNING
+        for _ in range(20):
+            if long.status is RequestStatus.RUNNING:
+                break
+            run_step(s)
+        # Back, it finds the blocks it had filled in the prefix cache: nothing lost but time.
+        assert long.status is RequestStatus.RUNNING and long.num_cached_prompt_tokens == filled
     else:
         assert not out.preempted_request_ids and short.status is RequestStatus.WAITING
         assert long.status is RequestStatus.RUNNING
@@ -825,3 +832,21 @@ def test_a_long_request_that_has_streamed_keeps_its_seat():
     short = add(s, "short", 8, max_tokens=4, first=2000)
     out = run_step(s)
     assert not out.preempted_request_ids and short.status is RequestStatus.WAITING
+
+
+def test_a_request_held_for_kv_room_is_counted_once_however_long_it_waits():
+    """The count a replica reports of requests the pool had no room for: one per request held
+    back (not one per step it waits), and none for a request that starts at once."""
+    s, _ = make_scheduler(blocks=16, block_size=4)
+    big = add(s, "big", 40, max_tokens=8)  # 12 blocks projected, of 16
+    run_step(s)
+    assert big.status is RequestStatus.RUNNING and s.num_room_waits_total == 0
+    other = add(s, "other", 20, max_tokens=8, first=1000)  # 7 blocks: no room beside it
+    for _ in range(3):
+        run_step(s)
+    assert other.status is RequestStatus.WAITING and s.num_room_waits_total == 1
+    for _ in range(50):
+        if not s.has_unfinished:
+            break
+        run_step(s)
+    assert other.finish_reason == "length" and s.num_room_waits_total == 1
