@@ -578,8 +578,7 @@ class Scheduler:
                     and unbanked <= 0
                     and not spends_bank(request)
                 ):
-                    if request.passed_over_since is None:
-                        request.passed_over_since = now
+                    _pass_over(request, now)
                     i += 1  # only banked room is left, and it is not for a large prompt
                     continue
                 if past_room:
@@ -601,8 +600,7 @@ class Scheduler:
                     and not overdue
                     and self._crowds_out(i, max_running, preempted)
                 ):
-                    if request.passed_over_since is None:
-                        request.passed_over_since = now
+                    _pass_over(request, now)
                     if not crowded:
                         looked_past += 1
                         crowded_floor = _smaller(crowded_floor, self.footprint_blocks(request))
@@ -725,8 +723,7 @@ class Scheduler:
 
     def _held_for_room(self, request: Request, now: float) -> None:
         """``request`` does not start for lack of KV room: others may pass it, and it counts."""
-        if request.passed_over_since is None:
-            request.passed_over_since = now
+        _pass_over(request, now)
         if not request.waited_for_room:
             request.waited_for_room = True
             self.num_room_waits_total += 1
@@ -933,3 +930,9 @@ def _smaller(floor: int | None, footprint: int) -> int:
 
 def _nobody(request: Request, budget: int) -> bool | None:
     return None
+
+
+def _pass_over(request: Request, now: float) -> None:
+    """Others start past ``request`` from ``now``, unless they already did."""
+    if request.passed_over_since is None:
+        request.passed_over_since = now
