@@ -351,6 +351,7 @@ def test_api_keys(start_server):
     state = httpx.get(server.url + "/debug/state", headers={"Authorization": "Bearer k1"}).json()
     assert state["role"] == "replica" and state["phase"] == "ready"
     assert state["kv_cache"]["total_blocks"] > 0 and state["kv_cache"]["usage"] == 0
+    assert state["kv_cache"]["committed_blocks"] == 0  # nothing runs: nothing held or owed
     assert state["engine"]["running"] == 0 and state["health"]["healthy"] is True
     # Why requests wait: the running set's cap now and the step-time budget's fit (None
     # until it has seen enough steps).

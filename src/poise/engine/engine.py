@@ -25,7 +25,6 @@ from poise.engine.faults import FaultInjector
 from poise.engine.forecast import (
     IDLE_FORECAST,
     PoolView,
-    Running,
     SlotForecast,
     SlotForecaster,
 )
@@ -312,19 +311,7 @@ class LLMEngine:
             if o.finished and o.outputs[0].finish_reason in ("stop", "length"):
                 self._forecaster.observe_finished(len(o.outputs[0].token_ids))
         self.forecast = self._forecaster.forecast(
-            (
-                Running(
-                    len(r.output_token_ids),
-                    r.max_tokens,
-                    r.priority,
-                    r.num_prompt_tokens,
-                    self.kv.num_held_blocks(r.request_id),
-                    r.runs_to_max_tokens,
-                    r.num_preemptions < self.scheduler.config.max_preemptions,
-                )
-                for r in self.scheduler.running
-                if not r.is_probe
-            ),
+            self.scheduler.running_view(),
             self.scheduler.max_running,
             cap_grows=self._step_budget is not None and self._step_budget.cap_grows,
             pool=PoolView(self.kv.num_free_blocks, self.kv.block_size),

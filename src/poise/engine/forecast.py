@@ -19,8 +19,10 @@ Two more things decide when a newcomer starts:
   for it: the slots they hold are as good as free.
 - **KV blocks.** A slot is no use without the blocks the request will fill. Its *footprint* is
   the blocks its prompt and projected output take; the pool's *headroom* is its free blocks
-  less what the running requests will still grow into, and each running request gives its
-  footprint back when it ends. A request with a long prompt and a long output waits until
+  less the most the running requests will hold above today at any coming step
+  (``headroom_by_step``): each grows a block at a time towards its footprint and gives it
+  all back when it ends, and they end at different steps, so they never all hold their
+  final footprints at once. A request with a long prompt and a long output waits until
   enough of the others have ended, and is predicted to; a short one fits beside them.
 """
 
@@ -44,7 +46,10 @@ class SlotForecast:
     growth_slots: int = 0
     running_priorities: tuple[int, ...] = ()  # of the running requests; ascending
     block_size: int = 16
-    kv_headroom_blocks: int = 1 << 30  # free blocks less what the running will still take
+    kv_headroom_blocks: int = 1 << 30  # free blocks less the running's peak growth to come
+    # Free blocks less the rest of the running prompts (taken at once): where the headroom
+    # curve starts from (``headroom_by_step``).
+    kv_free_blocks: int = 1 << 30
     # Per running request, by steps: when it ends and what it gives back, and who may take
     # its blocks before then (``KVRelease``).
     kv_releases: tuple[KVRelease, ...] = ()
@@ -63,6 +68,13 @@ class SlotForecast:
         need = blocks + room_left_for_others(own, self.typical_footprint)
         kv = self.kv_wait_s(need, priority, own)
         return max(self._slot_wait_s(position, priority), kv)
+
+    def committed_blocks(self, total: int, free: int) -> int:
+        """Of a pool of ``total`` blocks with ``free`` free: what the running requests hold and
+        will still take, every one counted at its projected end at once (not the headroom's
+        peak: the most a steady load can want, whatever the order its requests end in)."""
+        growth = sum(r.growth for r in self.kv_releases)
+        return min(total, total - min(free, self.kv_free_blocks) + growth)
 
     def _slot_wait_s(self, position: int, priority: int | None) -> float:
         free = self.free_slots + self.preemptible(priority)
@@ -93,17 +105,18 @@ class SlotForecast:
 
     def fit_together(self, blocks: int, retaken: bool = True) -> int:
         """How many requests of ``blocks`` the pool holds at once, with what a request larger
-        than the typical one leaves to others (at least 1): the headroom now and what the
-        large running requests give back, and what the typical ones give back unless
-        ``retaken`` (new typical requests keep coming and take it again: counted, a short
-        pool whose short requests held most of it promised room for seven long requests where
-        one fitted)."""
+        than the typical one leaves to others (at least 1): the free blocks and what the large
+        running requests give back, less what the others still grow into; what the typical
+        ones give back counts too unless ``retaken`` (new typical requests keep coming and
+        take it again: counted, a short pool whose short requests held most of it promised
+        room for seven long requests where one fitted)."""
         typical = self.typical_footprint
-        room = self.kv_headroom_blocks + sum(
-            r.blocks
-            for r in self.kv_releases
-            if not retaken or not typical or is_large(r.footprint, typical)
-        )
+        room = self.kv_free_blocks
+        for r in self.kv_releases:
+            if not retaken or not typical or is_large(r.footprint, typical):
+                room += r.held
+            else:
+                room -= r.growth
         room -= room_left_for_others(blocks, typical)
         return max(1, room // max(1, blocks))
 
@@ -123,25 +136,22 @@ class SlotForecast:
         """Seconds until the pool has ``blocks`` of headroom, as running requests end; for a
         request of ``priority`` and ``own`` blocks, the blocks of those the scheduler would
         preempt for it (``KVRelease.yields_to``) are room now."""
-        room = self.kv_headroom_blocks
-        if blocks <= room:
+        if blocks <= self.kv_headroom_blocks:
             return 0.0
+        free = self.kv_free_blocks
         later: list[KVRelease] = []
         yields = priority is not None and self.preempts_for_room
         for release in self.kv_releases:
             if yields and release.yields_to(priority or 0, own, self.typical_footprint):
-                room += release.blocks
+                free += release.held
             else:
                 later.append(release)
-        if blocks <= room:
-            return 0.0
-        steps = 0
-        for release in later:
-            steps = release.steps
-            room += release.blocks
+        curve = headroom_by_step(free, later)
+        for steps, room in curve:
             if blocks <= room:
                 return steps * self.step_s
         # Past every release the pool turns over once per typical cycle.
+        steps, room = curve[-1]
         turned = max(1, room)
         cycles = math.ceil((blocks - room) / turned)
         return (steps + cycles * max(1, self.cycle_steps)) * self.step_s
@@ -158,16 +168,23 @@ class SlotForecast:
 @dataclass(frozen=True, slots=True)
 class KVRelease:
     """A running request as the pool sees it: in ``steps`` it ends and gives back ``blocks``
-    (its footprint, or what it holds if more); until then the scheduler preempts it for a
-    waiting request of a better priority, or of its own that is less than half its size while
-    it is larger than the typical request (``scheduler._victims_for``), unless it has been
-    preempted as often as it may be (``preemptible`` False)."""
+    (its footprint, or what it holds if more), growing evenly towards them from ``held`` (what
+    it holds now with the rest of its prompt, which it takes at once); until then the
+    scheduler preempts it for a waiting request of a better priority, or of its own that is
+    less than half its size while it is larger than the typical request
+    (``scheduler._victims_for``), unless it has been preempted as often as it may be
+    (``preemptible`` False)."""
 
     steps: int
     blocks: int
     priority: int = 0
     footprint: int = 0
     preemptible: bool = True
+    held: int = 0
+
+    @property
+    def growth(self) -> int:
+        return self.blocks - self.held
 
     def yields_to(self, priority: int, own: int, typical: int) -> bool:
         if not self.preemptible:
@@ -175,6 +192,65 @@ class KVRelease:
         if self.priority > priority:
             return True
         return self.priority == priority and own > 0 and self.footprint > max(2 * own, typical)
+
+
+def headroom_by_step(free: int, releases: Sequence[KVRelease]) -> list[tuple[int, int]]:
+    """The pool's headroom now and from each release step on, ``[(0, h0), (s1, h1), ...]``
+    with ``h`` never falling: ``free`` (blocks nobody holds, less the rest of the running
+    prompts) less the most the running requests will hold above what they hold now at any
+    step after that one. Each grows evenly towards its footprint over its steps and gives it
+    all back when it ends, so the most they hold is reached just before one of them ends.
+
+    The peak, not the sum of every final footprint: the requests running end at different
+    steps and never all hold their final footprints at once. Counting them so, a pool with 63
+    of 141 blocks free and two slots open held short requests back for a second while every
+    running request's final footprint together came to the whole pool."""
+    order = sorted(releases, key=lambda r: r.steps)
+    # rate[i]: blocks a step that the i-th release and those ending after it grow by.
+    rate = [0.0] * (len(order) + 1)
+    for i in range(len(order) - 1, -1, -1):
+        rate[i] = rate[i + 1] + order[i].growth / max(1, order[i].steps)
+    peaks: list[tuple[int, int]] = []  # (step, held above today just before its releases)
+    gone = 0  # what those ended before the step held
+    i = 0
+    while i < len(order):
+        step = order[i].steps
+        peaks.append((step, math.ceil(step * rate[i] - 1e-9) - gone))
+        while i < len(order) and order[i].steps == step:
+            gone += order[i].held
+            i += 1
+    curve: list[tuple[int, int]] = []
+    highest = -gone  # once every running request has ended
+    for step, peak in reversed(peaks):
+        curve.append((step, free - highest))
+        highest = max(highest, peak)
+    curve.append((0, free - highest))
+    return curve[::-1]
+
+
+def kv_releases(
+    running: Iterable[Running], typical_output: int | None, block_size: int
+) -> tuple[int, list[KVRelease]]:
+    """The running requests' releases (``KVRelease``), and the blocks the rest of their
+    prompts take at once (to come off the free blocks). A request's remaining length is its
+    ``max_tokens`` left, or the typical output left when that is less and it does not run to
+    ``max_tokens``, and at least one step."""
+    uncommitted = 0
+    releases = []
+    for r in running:
+        left = r.max_tokens - r.produced
+        if typical_output is not None and not r.exact:
+            left = min(left, typical_output - r.produced)
+        left = max(1, left)
+        footprint = r.footprint
+        if footprint is None:
+            footprint = -(-(r.prompt_tokens + r.produced + left) // block_size)
+        held = max(r.held_blocks, -(-(r.prompt_tokens + r.produced) // block_size))
+        uncommitted += held - r.held_blocks
+        releases.append(
+            KVRelease(left, max(footprint, held), r.priority, footprint, r.preemptible, held)
+        )
+    return uncommitted, releases
 
 
 # A request larger than the typical one starts only where it leaves room for this
@@ -218,6 +294,9 @@ class Running:
     held_blocks: int = 0  # KV blocks its table holds now
     exact: bool = False  # it runs to max_tokens: its length is known, not typical
     preemptible: bool = True  # not yet preempted as often as it may be
+    # Blocks it is projected to fill, where the scheduler has projected them (None: its
+    # prompt and the output left, as ``kv_releases`` reckons it).
+    footprint: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -264,35 +343,22 @@ class SlotForecaster:
         ``pool``: the KV pool's free blocks and block size (None: blocks are never short);
         ``preempts_for_room``: see ``SlotForecast``; ``typical_footprint``: the scheduler's
         typical request (None: the running requests' median)."""
-        typical = self.mean_output_tokens
-        steps = []
-        priorities = []
-        releases = []
-        footprints = []
-        owed = 0
-        for r in running:
-            left = r.max_tokens - r.produced
-            if typical is not None and not r.exact:
-                left = min(left, round(typical) - r.produced)
-            left = max(1, left)
-            steps.append(left)
-            priorities.append(r.priority)
-            if pool is not None:
-                footprint = -(-(r.prompt_tokens + r.produced + left) // pool.block_size)
-                footprints.append(footprint)
-                owed += max(0, footprint - r.held_blocks)
-                releases.append(
-                    KVRelease(
-                        left, max(footprint, r.held_blocks), r.priority, footprint, r.preemptible
-                    )
-                )
+        typical = None if self.mean_output_tokens is None else round(self.mean_output_tokens)
+        running = list(running)
+        block_size = 16 if pool is None else pool.block_size
+        uncommitted, releases = kv_releases(running, typical, block_size)
+        steps = [r.steps for r in releases]
+        if pool is None:
+            releases = []  # blocks are never short
+        priorities = [r.priority for r in running]
+        free = 1 << 30 if pool is None else pool.free_blocks - uncommitted
         steps.sort()
         cap = min(self.max_num_seqs, max_running or self.max_num_seqs)
         return SlotForecast(
             free_slots=max(0, cap - len(steps)),
             release_steps=tuple(steps),
             step_s=self.step_s or 0.0,
-            cycle_steps=round(typical) if typical is not None else (steps[-1] if steps else 0),
+            cycle_steps=typical if typical is not None else (steps[-1] if steps else 0),
             # The cap grows one at a time while steps leave room, and how far is not known:
             # at most as far again as it stands (a burst of hundreds is not promised slots that
             # a budget may never open; beyond, they wait for running requests to end).
@@ -300,11 +366,12 @@ class SlotForecaster:
             if cap_grows
             else 0,
             running_priorities=tuple(sorted(priorities)),
-            block_size=16 if pool is None else pool.block_size,
-            kv_headroom_blocks=1 << 30 if pool is None else pool.free_blocks - owed,
+            block_size=block_size,
+            kv_headroom_blocks=1 << 30 if pool is None else headroom_by_step(free, releases)[0][1],
+            kv_free_blocks=free,
             kv_releases=tuple(sorted(releases, key=lambda k: k.steps)),
-            typical_output=None if typical is None else round(typical),
-            typical_footprint=median_footprint(footprints)
+            typical_output=typical,
+            typical_footprint=median_footprint([r.footprint for r in releases])
             if typical_footprint is None
             else typical_footprint,
             preempts_for_room=preempts_for_room,

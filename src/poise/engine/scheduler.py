@@ -33,7 +33,8 @@ usually survive in the prefix cache). It chooses its victims by priority, then b
   footprint (prompt and output, in blocks), so that long requests give way to short ones
   rather than the other way round.
 - A waiting request starts only where its projected footprint fits the pool's headroom (the
-  free blocks less what the running requests will still grow into), unless nothing runs: a
+  free blocks less the most the running requests will hold above today at any coming step,
+  as they grow and end: ``forecast.headroom_by_step``), unless nothing runs: a
   request that would have to be preempted to finish does not start, and what it would have
   computed is not thrown away. One larger than the typical request (the median footprint of
   the last 64 started: ``typical_footprint``) must also leave
@@ -71,8 +72,11 @@ from typing import Protocol
 
 from poise.engine.errors import CANNOT_FINISH, InvalidRequestError
 from poise.engine.forecast import (
+    Running,
     crowds_out,
+    headroom_by_step,
     is_large,
+    kv_releases,
     median_footprint,
     room_left_for_others,
 )
@@ -851,11 +855,31 @@ class Scheduler:
         return (request.num_prompt_tokens + 1) // 2
 
     def _headroom(self) -> tuple[int, int]:
-        """Free blocks less those the running requests are projected to grow into, and the
-        typical footprint."""
-        footprints = [(self.footprint_blocks(r), r) for r in self.running if not r.is_probe]
-        owed = sum(max(0, f - self.kv.num_held_blocks(r.request_id)) for f, r in footprints)
-        return self.kv.num_free_blocks - owed, self.typical_footprint
+        """Free blocks less the most the running requests will hold above what they hold now
+        at any coming step (``forecast.headroom_by_step``), and the typical footprint."""
+        uncommitted, releases = kv_releases(
+            self.running_view(), self.typical_output, self.kv.block_size
+        )
+        free = self.kv.num_free_blocks - uncommitted
+        return headroom_by_step(free, releases)[0][1], self.typical_footprint
+
+    def running_view(self) -> list[Running]:
+        """The running requests as the forecast sees them (health probes aside)."""
+        cap = self.config.max_preemptions
+        return [
+            Running(
+                len(r.output_token_ids),
+                r.max_tokens,
+                r.priority,
+                r.num_prompt_tokens,
+                self.kv.num_held_blocks(r.request_id),
+                r.runs_to_max_tokens,
+                r.num_preemptions < cap,
+                self.footprint_blocks(r),
+            )
+            for r in self.running
+            if not r.is_probe
+        ]
 
     def _ahead(self, priority: int) -> int:
         """Running requests of this priority or better: what the running cap counts for it."""

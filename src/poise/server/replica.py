@@ -188,6 +188,9 @@ class Replica:
                 "free_blocks": stats.num_free_blocks,
                 "total_blocks": stats.num_blocks,  # the pool, or what a fault limits it to
                 "headroom_blocks": min(stats.forecast.kv_headroom_blocks, stats.num_free_blocks),
+                "committed_blocks": stats.forecast.committed_blocks(
+                    stats.num_blocks, stats.num_free_blocks
+                ),
                 "allocated_slots": stats.kv.allocated_slots,
                 "unused_slots": stats.kv.unused_slots,
                 "fragmentation": round(stats.kv.fragmentation, 4),

@@ -1,12 +1,19 @@
 """The slot forecast: when the k-th waiting request gets a running slot."""
 
 import itertools
+import math
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from poise.engine.forecast import PoolView, Running, SlotForecaster
+from poise.engine.forecast import (
+    KVRelease,
+    PoolView,
+    Running,
+    SlotForecaster,
+    headroom_by_step,
+)
 
 
 def rs(pairs: list[tuple[int, int]]) -> list[Running]:
@@ -98,29 +105,88 @@ def test_slots_held_by_a_lower_priority_are_free_to_a_higher_one() -> None:
 
 
 def test_a_request_that_wants_more_blocks_than_the_pool_has_waits_for_releases() -> None:
-    """16-token blocks, 10 free. Two running requests will grow to 5 blocks (4 held) and to
-    8 (3 held): 6 more owed, so 4 blocks of headroom. They end in 10 and 40 steps."""
+    """16-token blocks, 10 free. Two running requests: one of 64 tokens (4 blocks) that will
+    grow to 5 and ends in 12 steps, one of 88 (6 blocks) that will grow to 8 in 40 steps. The
+    most they will hold above today is 2 blocks, at step 12 (1 + 12/40 of 2, rounded up):
+    8 blocks of headroom now, 12 once the first has ended (it gives back 5, the second grows
+    by 2 in all), 20 once both have."""
     f = SlotForecaster(max_num_seqs=8)
     f.observe_step(0.02)
     running = [
-        Running(produced=6, max_tokens=16, prompt_tokens=64, held_blocks=4),
-        Running(produced=8, max_tokens=48, prompt_tokens=80, held_blocks=3),
+        Running(produced=4, max_tokens=16, prompt_tokens=60, held_blocks=4),
+        Running(produced=8, max_tokens=48, prompt_tokens=80, held_blocks=6),
     ]
     fc = f.forecast(running, pool=PoolView(free_blocks=10, block_size=16))
-    assert fc.kv_headroom_blocks == 4
-    assert fc.kv_wait_s(4) == 0.0  # a short request fits beside them
-    assert fc.kv_wait_s(9) == pytest.approx(10 * 0.02)  # once the first gives back its 5
-    assert fc.kv_wait_s(17) == pytest.approx(40 * 0.02)  # once both have
-    assert fc.wait_s(1, 0, blocks=9) == pytest.approx(10 * 0.02)  # slots free, blocks not
+    assert fc.kv_headroom_blocks == 8
+    assert fc.kv_wait_s(8) == 0.0  # a short request fits beside them
+    assert fc.kv_wait_s(9) == pytest.approx(12 * 0.02)  # once the first gives back its 5
+    assert fc.kv_wait_s(13) == pytest.approx(40 * 0.02)  # once both have
+    assert fc.kv_wait_s(20) == pytest.approx(40 * 0.02)
+    assert fc.wait_s(1, 0, blocks=9) == pytest.approx(12 * 0.02)  # slots free, blocks not
     assert fc.footprint_blocks(prompt_tokens=200, max_tokens=200) == 25
     # A pool never short (no view of it) never makes anyone wait.
     assert f.forecast(running).kv_wait_s(10_000) == 0.0
 
 
+def test_the_headroom_is_the_peak_of_projected_use_not_the_sum_of_final_footprints() -> None:
+    """Five requests of 2 blocks each, the k-th to grow by k more blocks in 16k steps (a block
+    every 16 tokens); 15 blocks free. Their final footprints together would take all 15, but
+    they never hold them at once: each gives its blocks back before the others are done. The
+    most held above today is 6 blocks, at step 32 (four grown by 2 blocks each, less the 2
+    the first gave back): a request of 9 blocks starts now."""
+    f = SlotForecaster(max_num_seqs=32)
+    f.observe_step(0.01)
+    running = [
+        Running(produced=1, max_tokens=1 + 16 * k, prompt_tokens=31, held_blocks=2, exact=True)
+        for k in range(1, 6)
+    ]
+    fc = f.forecast(running, pool=PoolView(free_blocks=15, block_size=16))
+    assert sum(r.growth for r in fc.kv_releases) == 15
+    assert fc.kv_headroom_blocks == 15 - 6
+    assert fc.kv_wait_s(9) == 0.0
+    # What the running hold and will take, all at their ends at once: the whole pool.
+    assert fc.committed_blocks(total=25, free=15) == 25
+    # Past the headroom, the wait is for the release that makes the room: after step 32 the
+    # most held above today is 5 (at step 48: 9 grown, 4 given back).
+    assert fc.kv_wait_s(10) == pytest.approx(32 * 0.01)
+
+
+releases = st.lists(
+    st.tuples(st.integers(1, 60), st.integers(0, 20), st.integers(0, 20)),  # steps, held, growth
+    max_size=12,
+)
+
+
+@given(st.integers(0, 200), releases)
+def test_the_headroom_curve_is_the_projected_use_step_by_step(free, spec) -> None:
+    """Against a step-by-step account of the same projection: at each step every request not
+    yet ended holds ``held`` and its share of its growth, one that has ended holds nothing;
+    the headroom from step k is the free blocks less the most held above today after k."""
+    rel = [KVRelease(s, h + g, held=h) for s, h, g in spec]
+    curve = headroom_by_step(free, rel)
+    horizon = max((r.steps for r in rel), default=0)
+
+    def above_today(step: int) -> float:
+        alive = sum(r.growth * step / r.steps for r in rel if r.steps >= step)
+        return alive - sum(r.held for r in rel if r.steps < step)
+
+    for step, room in curve:
+        highest = max((above_today(k) for k in range(step + 1, horizon + 2)), default=0.0)
+        if step == 0:
+            highest = max(highest, 0.0)
+        assert room == free - math.ceil(highest - 1e-9)
+    rooms = [room for _, room in curve]
+    assert rooms == sorted(rooms)  # room only grows as requests end
+    assert rooms[0] <= free
+    assert rooms[0] >= free - sum(r.growth for r in rel)  # never short of the sum's
+    assert rooms[-1] == free + sum(r.held for r in rel)
+
+
 def test_the_blocks_of_a_request_the_scheduler_would_preempt_are_room_now() -> None:
     """16-token blocks, 12 free. Three short requests (2 blocks each, all held) and a long
-    one of 25 blocks (20 held, 5 owed) run: 7 blocks of headroom, and the long one ends in 190
-    steps. A short newcomer of its priority that needs 10 blocks does not wait for it: the
+    one of 25 blocks (20 held, 5 owed) run: 11 blocks of headroom (the short ones end in 6
+    steps, the long one grows by one in those), and the long one ends in 190 steps. A short
+    newcomer of its priority that needs 14 blocks does not wait for it: the
     scheduler would take its place (more than twice the newcomer's and the typical size). A
     newcomer of its own size does wait, and so does anyone when it may be preempted no more;
     a better priority takes the place of a worse one whatever their sizes."""
@@ -133,18 +199,18 @@ def test_the_blocks_of_a_request_the_scheduler_would_preempt_are_room_now() -> N
         return Running(10, 200, priority, 200, 20, exact=True, preemptible=preemptible)
 
     fc = f.forecast([*shorts, long()], pool=pool)
-    assert fc.kv_headroom_blocks == 7
-    assert fc.kv_wait_s(10, priority=0, own=2) == 0.0
-    assert fc.wait_s(1, 0, blocks=10, own=2) == 0.0
-    assert fc.kv_wait_s(10, priority=0, own=25) > 0  # of its size: waits for room
-    assert fc.kv_wait_s(10) > 0  # nobody's own size told: no preemption counted
+    assert fc.kv_headroom_blocks == 11
+    assert fc.kv_wait_s(14, priority=0, own=2) == 0.0
+    assert fc.wait_s(1, 0, blocks=14, own=2) == 0.0
+    assert fc.kv_wait_s(14, priority=0, own=25) > 0  # of its size: waits for room
+    assert fc.kv_wait_s(14) > 0  # nobody's own size told: no preemption counted
     protected = f.forecast([*shorts, long(preemptible=False)], pool=pool)
-    assert protected.kv_wait_s(10, priority=0, own=2) > 0
+    assert protected.kv_wait_s(14, priority=0, own=2) > 0
     batch = f.forecast([*shorts, long(priority=10)], pool=pool)
     assert batch.kv_wait_s(30, priority=0, own=25) == 0.0
     # Optimistic admission (no headroom rule) makes no room by preemption: none is counted.
     optimistic = f.forecast([*shorts, long()], pool=pool, preempts_for_room=False)
-    assert optimistic.kv_wait_s(10, priority=0, own=2) > 0
+    assert optimistic.kv_wait_s(14, priority=0, own=2) > 0
 
 
 def test_the_typical_output_tempers_a_footprint() -> None:
@@ -192,7 +258,8 @@ def test_a_request_runs_its_output_at_the_step_time_and_a_short_pool_holds_one_l
     roomy = f.forecast(
         [*shorts, long], pool=PoolView(free_blocks=100, block_size=16), typical_footprint=4
     )
-    assert roomy.kv_headroom_blocks == 100 - 20 - 11
+    # The short ones end in 20 steps, by when the long one has grown 11 * 20 / 190 blocks.
+    assert roomy.kv_headroom_blocks == 100 - math.ceil(20 + 11 * 20 / 190)
     assert roomy.fit_together(25) == (69 + 25 - 16) // 25
     # In a burst that drains (no new short requests), what the short ones give back counts.
     assert roomy.fit_together(25, retaken=False) == (69 + 25 + 20 * 4 - 16) // 25

@@ -448,17 +448,18 @@ def test_batch_paused_for_a_waiting_prompt_does_not_cascade_into_preemptions():
 
 
 def test_a_short_request_that_finds_the_pool_full_takes_the_place_of_a_long_one():
-    """22 blocks of 4. A long request (8 + 60 tokens: 17 blocks) runs, then two short ones
-    (4 + 4: 2 blocks each) beside it: the pool is spoken for. Another short one arrives. The
-    long one, of no better priority and more than twice as large as it and as the typical
-    running request, gives way: the short one runs; the long one waits and finishes after."""
-    s, _ = make_scheduler(blocks=22, block_size=4)
-    long = add(s, "long", 8, max_tokens=60)
+    """26 blocks of 4. A long request (60 + 8 tokens: 17 blocks) runs, then two short ones
+    (4 + 12: 4 blocks each) beside it: the pool is spoken for until the long one ends. Another
+    short one arrives. The long one, of no better priority and more than twice as large as it
+    and as the typical running request, gives way: the short one runs; the long one waits and
+    finishes after."""
+    s, _ = make_scheduler(blocks=26, block_size=4)
+    long = add(s, "long", 60, max_tokens=8)
     run_step(s)
-    shorts = [add(s, f"s{i}", 4, max_tokens=4, first=100 * (i + 1)) for i in range(2)]
+    shorts = [add(s, f"s{i}", 4, max_tokens=12, first=100 * (i + 1)) for i in range(2)]
     run_step(s)
     assert all(r.status is RequestStatus.RUNNING for r in (*shorts, long))
-    short = add(s, "short", 4, max_tokens=4, first=500)
+    short = add(s, "short", 4, max_tokens=12, first=500)
     out = run_step(s)
     assert out.preempted_request_ids == ["long"]
     assert short.status is RequestStatus.RUNNING and long.status is RequestStatus.PREEMPTED
@@ -616,7 +617,7 @@ def test_nobody_is_preempted_for_a_short_prompt_past_the_room():
         run_step(s)
     add(s, "long", 32, max_tokens=4, first=5000)
     run_step(s)
-    short = add(s, "short", 8, max_tokens=12, first=9000)
+    short = add(s, "short", 8, max_tokens=48, first=9000)
     out = run_step(s)
     assert not out.preempted_request_ids and batch.status is RequestStatus.RUNNING
     assert short.status is RequestStatus.WAITING
@@ -850,3 +851,25 @@ def test_a_request_held_for_kv_room_is_counted_once_however_long_it_waits():
             break
         run_step(s)
     assert other.finish_reason == "length" and s.num_room_waits_total == 1
+
+
+def test_a_request_starts_where_the_running_requests_never_hold_their_footprints_at_once():
+    """25 blocks of 4. Three requests will end at 32 tokens (8 blocks each), from prompts of
+    24, 16 and 8 tokens: in 8, 16 and 24 steps. A fifth (3 blocks) arrives a step later, when
+    they hold 15 blocks and will grow by 9 more: counted at once, that would leave 1 free. But
+    the first gives its 8 back before the others have grown by 4: it starts at once, and every
+    request finishes without a preemption."""
+    s, _ = make_scheduler(blocks=25, block_size=4)
+    running = [add(s, f"r{k}", 32 - 8 * k, max_tokens=8 * k, first=100 * k) for k in range(1, 4)]
+    run_step(s)
+    assert all(r.status is RequestStatus.RUNNING for r in running)
+    newcomer = add(s, "new", 4, max_tokens=8, first=900)
+    out = run_step(s)
+    assert newcomer.status is RequestStatus.RUNNING
+    assert not out.preempted_request_ids
+    preempted = []
+    while s.has_unfinished:
+        preempted += run_step(s).preempted_request_ids
+    assert preempted == []
+    assert all(r.finish_reason == "length" for r in (*running, newcomer))
+    assert s.kv.num_free_blocks == 25
