@@ -139,9 +139,10 @@ def _clear(index: int) -> Action:
 
 # The KV pool a replica keeps while kv-exhaustion holds: what its steady traffic holds and will
 # still grow into as the fault begins (the replica's own projection, every running request at
-# its projected end at once: ``committed_blocks``, the most of five readings over a second;
-# not the headroom, which counts only the most they hold at once and is the admission rule
-# under test, so the fault does not change with it), a quarter more for its ups and downs, and
+# its projected end at once: ``committed_blocks``, the most of five readings over a second,
+# read while the pool is whole and no admission rule holds anyone back for room; not the
+# headroom, which counts only the most they hold at once and is the rule under test), a
+# quarter more for its ups and downs, and
 # room for one long request (25 blocks of 16 tokens) beside it. Sized by what the replica holds,
 # not in blocks, so that the fault means the same on a slow CPU (whose requests last long and
 # hold many blocks) and on a fast GPU: the steady traffic fits, a second long request does not.

@@ -310,6 +310,8 @@ class LLMEngine:
         for o in outputs:
             if o.finished and o.outputs[0].finish_reason in ("stop", "length"):
                 self._forecaster.observe_finished(len(o.outputs[0].token_ids))
+        # The scheduler projects footprints with the typical output the forecast uses.
+        self.scheduler.typical_output = self._forecaster.typical_output
         self.forecast = self._forecaster.forecast(
             self.scheduler.running_view(),
             self.scheduler.max_running,
@@ -318,7 +320,6 @@ class LLMEngine:
             preempts_for_room=self.scheduler.config.kv_headroom,
             typical_footprint=self.scheduler.typical_footprint,
         )
-        self.scheduler.typical_output = self.forecast.typical_output
         self.scheduler.step_s = self.forecast.step_s
         return outputs
 

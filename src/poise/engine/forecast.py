@@ -73,8 +73,8 @@ class SlotForecast:
         """Of a pool of ``total`` blocks with ``free`` free: what the running requests hold and
         will still take, every one counted at its projected end at once (not the headroom's
         peak: the most a steady load can want, whatever the order its requests end in)."""
-        growth = sum(r.growth for r in self.kv_releases)
-        return min(total, total - min(free, self.kv_free_blocks) + growth)
+        owed = sum(max(0, r.footprint - r.held) for r in self.kv_releases)
+        return min(total, total - min(free, self.kv_free_blocks) + owed)
 
     def _slot_wait_s(self, position: int, priority: int | None) -> float:
         free = self.free_slots + self.preemptible(priority)
@@ -146,7 +146,7 @@ class SlotForecast:
                 free += release.held
             else:
                 later.append(release)
-        curve = headroom_by_step(free, later)
+        curve = headroom_by_step(free, later, self.block_size)
         for steps, room in curve:
             if blocks <= room:
                 return steps * self.step_s
@@ -167,13 +167,13 @@ class SlotForecast:
 
 @dataclass(frozen=True, slots=True)
 class KVRelease:
-    """A running request as the pool sees it: in ``steps`` it ends and gives back ``blocks``
-    (its footprint, or what it holds if more), growing evenly towards them from ``held`` (what
-    it holds now with the rest of its prompt, which it takes at once); until then the
+    """A running request as the pool sees it: in ``steps`` it ends and gives back ``blocks``,
+    growing towards them a block at a time from ``held`` (what it holds now with the rest of
+    its prompt, which it takes at once) as its ``tokens`` grow by one a step; until then the
     scheduler preempts it for a waiting request of a better priority, or of its own that is
     less than half its size while it is larger than the typical request
     (``scheduler._victims_for``), unless it has been preempted as often as it may be
-    (``preemptible`` False)."""
+    (``preemptible`` False). ``footprint`` is the scheduler's projection of its end."""
 
     steps: int
     blocks: int
@@ -181,10 +181,15 @@ class KVRelease:
     footprint: int = 0
     preemptible: bool = True
     held: int = 0
+    tokens: int = 0
 
     @property
     def growth(self) -> int:
         return self.blocks - self.held
+
+    def held_at(self, step: int, block_size: int) -> int:
+        """Blocks it holds ``step`` steps from now, up to its end."""
+        return max(self.held, min(self.blocks, -(-(self.tokens + step) // block_size)))
 
     def yields_to(self, priority: int, own: int, typical: int) -> bool:
         if not self.preemptible:
@@ -194,61 +199,84 @@ class KVRelease:
         return self.priority == priority and own > 0 and self.footprint > max(2 * own, typical)
 
 
-def headroom_by_step(free: int, releases: Sequence[KVRelease]) -> list[tuple[int, int]]:
+def headroom_by_step(
+    free: int, releases: Sequence[KVRelease], block_size: int
+) -> list[tuple[int, int]]:
     """The pool's headroom now and from each release step on, ``[(0, h0), (s1, h1), ...]``
     with ``h`` never falling: ``free`` (blocks nobody holds, less the rest of the running
     prompts) less the most the running requests will hold above what they hold now at any
-    step after that one. Each grows evenly towards its footprint over its steps and gives it
-    all back when it ends, so the most they hold is reached just before one of them ends.
+    step after that one. Each takes a block whenever its tokens fill one and gives all it holds
+    back when it ends, so the most they hold is reached as one of them ends.
 
     The peak, not the sum of every final footprint: the requests running end at different
     steps and never all hold their final footprints at once. Counting them so, a pool with 63
     of 141 blocks free and two slots open held short requests back for a second while every
     running request's final footprint together came to the whole pool."""
     order = sorted(releases, key=lambda r: r.steps)
-    # rate[i]: blocks a step that the i-th release and those ending after it grow by.
-    rate = [0.0] * (len(order) + 1)
-    for i in range(len(order) - 1, -1, -1):
-        rate[i] = rate[i + 1] + order[i].growth / max(1, order[i].steps)
-    peaks: list[tuple[int, int]] = []  # (step, held above today just before its releases)
+    # Blocks above today at step t: min(growth, max(0, (offset + t) // block_size)), where
+    # offset is the tokens past the last held block (less one): ``KVRelease.held_at`` inlined,
+    # as this runs every step for every running request and release.
+    offsets = [r.tokens + block_size - 1 - r.held * block_size for r in order]
+    growths = [r.growth for r in order]
+    peaks: list[tuple[int, int]] = []  # (step, held above today as it ends)
     gone = 0  # what those ended before the step held
     i = 0
-    while i < len(order):
-        step = order[i].steps
-        peaks.append((step, math.ceil(step * rate[i] - 1e-9) - gone))
-        while i < len(order) and order[i].steps == step:
+    for step in sorted({r.steps for r in order}):
+        while order[i].steps < step:
             gone += order[i].held
             i += 1
+        grown = 0
+        for offset, growth in zip(offsets[i:], growths[i:], strict=True):
+            if growth:
+                above = (offset + step) // block_size
+                if above > 0:
+                    grown += growth if above >= growth else above
+        peaks.append((step, grown - gone))
+    gone += sum(r.held for r in order[i:])
     curve: list[tuple[int, int]] = []
     highest = -gone  # once every running request has ended
     for step, peak in reversed(peaks):
         curve.append((step, free - highest))
         highest = max(highest, peak)
-    curve.append((0, free - highest))
+    curve.append((0, free - max(highest, 0)))
     return curve[::-1]
+
+
+def steps_left(r: Running, typical_output: int | None) -> int:
+    """Steps until a running request ends: its ``max_tokens`` left, or the typical output left
+    when that is less and it does not run to ``max_tokens``; at least one."""
+    left = r.max_tokens - r.produced
+    if typical_output is not None and not r.exact:
+        left = min(left, typical_output - r.produced)
+    return max(1, left)
 
 
 def kv_releases(
     running: Iterable[Running], typical_output: int | None, block_size: int
 ) -> tuple[int, list[KVRelease]]:
     """The running requests' releases (``KVRelease``), and the blocks the rest of their
-    prompts take at once (to come off the free blocks). A request's remaining length is its
-    ``max_tokens`` left, or the typical output left when that is less and it does not run to
-    ``max_tokens``, and at least one step."""
+    prompts take at once (to come off the free blocks).
+
+    A request's remaining length is ``steps_left``; one already past the typical output is
+    projected to run as long again as a typical one (it has shown it is not typical, and
+    when it ends is not known: projected to end at the next step, its blocks were counted as
+    room for everyone else's growth, step after step). A prompt still to compute lengthens it
+    by a step per block of it (what a step computes at least)."""
     uncommitted = 0
     releases = []
     for r in running:
-        left = r.max_tokens - r.produced
-        if typical_output is not None and not r.exact:
-            left = min(left, typical_output - r.produced)
-        left = max(1, left)
-        footprint = r.footprint
-        if footprint is None:
-            footprint = -(-(r.prompt_tokens + r.produced + left) // block_size)
-        held = max(r.held_blocks, -(-(r.prompt_tokens + r.produced) // block_size))
+        tokens = r.prompt_tokens + r.produced
+        left = steps_left(r, typical_output)
+        footprint = -(-(tokens + left) // block_size)  # as ``Scheduler.footprint_blocks``
+        held = max(r.held_blocks, -(-tokens // block_size))
         uncommitted += held - r.held_blocks
+        blocks = max(footprint, held)
+        if typical_output is not None and not r.exact and r.produced >= typical_output:
+            left = max(1, min(r.max_tokens - r.produced, typical_output))
+            blocks = max(blocks, -(-(tokens + left) // block_size))
+        steps = left + -(-r.uncomputed // block_size)
         releases.append(
-            KVRelease(left, max(footprint, held), r.priority, footprint, r.preemptible, held)
+            KVRelease(steps, blocks, r.priority, footprint, r.preemptible, held, tokens)
         )
     return uncommitted, releases
 
@@ -294,9 +322,7 @@ class Running:
     held_blocks: int = 0  # KV blocks its table holds now
     exact: bool = False  # it runs to max_tokens: its length is known, not typical
     preemptible: bool = True  # not yet preempted as often as it may be
-    # Blocks it is projected to fill, where the scheduler has projected them (None: its
-    # prompt and the output left, as ``kv_releases`` reckons it).
-    footprint: int | None = None
+    uncomputed: int = 0  # prompt tokens (or a resumed request's) not yet computed
 
 
 @dataclass(frozen=True, slots=True)
@@ -316,6 +342,11 @@ class SlotForecaster:
         self.alpha = alpha
         self.step_s: float | None = None
         self.mean_output_tokens: float | None = None
+
+    @property
+    def typical_output(self) -> int | None:
+        """Output tokens a request typically produces (None until one has finished)."""
+        return None if self.mean_output_tokens is None else round(self.mean_output_tokens)
 
     def observe_step(self, seconds: float) -> None:
         a = self.alpha
@@ -343,11 +374,12 @@ class SlotForecaster:
         ``pool``: the KV pool's free blocks and block size (None: blocks are never short);
         ``preempts_for_room``: see ``SlotForecast``; ``typical_footprint``: the scheduler's
         typical request (None: the running requests' median)."""
-        typical = None if self.mean_output_tokens is None else round(self.mean_output_tokens)
+        typical = self.typical_output
         running = list(running)
         block_size = 16 if pool is None else pool.block_size
         uncommitted, releases = kv_releases(running, typical, block_size)
-        steps = [r.steps for r in releases]
+        # A slot may free as soon as the request's projection says, past it any step now.
+        steps = [steps_left(r, typical) for r in running]
         if pool is None:
             releases = []  # blocks are never short
         priorities = [r.priority for r in running]
@@ -367,7 +399,9 @@ class SlotForecaster:
             else 0,
             running_priorities=tuple(sorted(priorities)),
             block_size=block_size,
-            kv_headroom_blocks=1 << 30 if pool is None else headroom_by_step(free, releases)[0][1],
+            kv_headroom_blocks=1 << 30
+            if pool is None
+            else headroom_by_step(free, releases, block_size)[0][1],
             kv_free_blocks=free,
             kv_releases=tuple(sorted(releases, key=lambda k: k.steps)),
             typical_output=typical,

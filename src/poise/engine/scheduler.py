@@ -72,6 +72,7 @@ from typing import Protocol
 
 from poise.engine.errors import CANNOT_FINISH, InvalidRequestError
 from poise.engine.forecast import (
+    KVRelease,
     Running,
     crowds_out,
     headroom_by_step,
@@ -662,8 +663,8 @@ class Scheduler:
                     break  # a probe waits for blocks; it takes nobody's
                 if past_room:
                     break  # nobody is preempted for a start past the room
-                short = need + reserve - headroom if headroom is not None and not fits else 1
-                victims = self._victims_for(request, short, typical)
+                wanted = need + reserve if headroom is not None and not fits else None
+                victims = self._victims_for(request, wanted, headroom or 0, typical)
                 if not self.config.kv_headroom:
                     # Optimistic: strict order, and only a worse priority gives way.
                     victims = [v for v in victims if v.priority > request.priority][:1]
@@ -757,12 +758,16 @@ class Scheduler:
         since = request.passed_over_since
         return since is not None and now - since > MAX_PASSED_OVER_S
 
-    def _victims_for(self, request: Request, short: int, typical: int) -> list[Request]:
-        """The running requests to preempt so that ``request`` fits (``short`` blocks of
-        headroom missing): worse priorities first, newest first, then requests of its priority
-        that want more than twice its blocks and more than the typical request, largest first;
-        none when all of them together would not make the room (nothing is thrown away for
-        nothing)."""
+    def _victims_for(
+        self, request: Request, wanted: int | None, headroom: int, typical: int
+    ) -> list[Request]:
+        """The running requests to preempt so that ``request`` fits (``wanted`` blocks of
+        headroom, where ``headroom`` is there now; None: any one's blocks): worse priorities
+        first, newest first, then requests of its priority that want more than twice its
+        blocks and more than the typical request, largest first; none when all of them together
+        would not make the room (nothing is thrown away for nothing). What a victim makes is
+        the headroom counted again without it (what it holds back now, and its part of the
+        peak), which the blocks it would have grown to bound."""
         cap = self.config.max_preemptions
         own = self.footprint_blocks(request)
         worse = sorted(
@@ -780,15 +785,20 @@ class Scheduler:
             key=lambda r: (self.footprint_blocks(r), r.arrival_time),
             reverse=True,
         )
+        releases = self._releases()[1] if wanted is not None else {}
         chosen: list[Request] = []
-        freed = 0
+        bound = headroom
         for r in (*worse, *larger):
             if r.num_preemptions >= cap or r.is_probe:
                 continue
             chosen.append(r)
-            freed += max(self.footprint_blocks(r), self.kv.num_held_blocks(r.request_id))
-            if freed >= short:
+            if wanted is None:
                 return chosen
+            bound += releases[r.request_id].blocks
+            if bound >= wanted:
+                gone = frozenset(c.request_id for c in chosen)
+                if self._headroom(gone)[0] >= wanted:
+                    return chosen
         return []
 
     def _seat_of(
@@ -835,10 +845,8 @@ class Scheduler:
         if not candidates:
             return None
         victim = min(candidates, key=lambda r: r.num_computed_tokens)
-        if self.config.kv_headroom:
-            headroom, _ = self._headroom()
-            if own > headroom + self.footprint_blocks(victim):
-                return None  # it would not start even in the long one's place
+        if self.config.kv_headroom and own > self._headroom(frozenset({victim.request_id}))[0]:
+            return None  # it would not start even in the long one's place
         return victim
 
     def _seat_given_up_before(self, request: Request) -> int:
@@ -854,16 +862,30 @@ class Scheduler:
             return request.num_prompt_tokens
         return (request.num_prompt_tokens + 1) // 2
 
-    def _headroom(self) -> tuple[int, int]:
+    def _headroom(self, excluding: frozenset[str] = frozenset()) -> tuple[int, int]:
         """Free blocks less the most the running requests will hold above what they hold now
-        at any coming step (``forecast.headroom_by_step``), and the typical footprint."""
+        at any coming step (``forecast.headroom_by_step``), and the typical footprint; with
+        those ``excluding`` names preempted (what they hold back in the pool)."""
+        free, releases = self._releases(excluding)
+        headroom = headroom_by_step(free, list(releases.values()), self.kv.block_size)[0][1]
+        return headroom, self.typical_footprint
+
+    def _releases(
+        self, excluding: frozenset[str] = frozenset()
+    ) -> tuple[int, dict[str, KVRelease]]:
+        """The free blocks less the rest of the running prompts, and each running request's
+        ``KVRelease`` by id; with those ``excluding`` names preempted."""
+        ids = [
+            r.request_id for r in self.running if not r.is_probe and r.request_id not in excluding
+        ]
         uncommitted, releases = kv_releases(
-            self.running_view(), self.typical_output, self.kv.block_size
+            self.running_view(excluding), self.typical_output, self.kv.block_size
         )
         free = self.kv.num_free_blocks - uncommitted
-        return headroom_by_step(free, releases)[0][1], self.typical_footprint
+        free += sum(self.kv.num_held_blocks(rid) for rid in excluding)
+        return free, dict(zip(ids, releases, strict=True))
 
-    def running_view(self) -> list[Running]:
+    def running_view(self, excluding: frozenset[str] = frozenset()) -> list[Running]:
         """The running requests as the forecast sees them (health probes aside)."""
         cap = self.config.max_preemptions
         return [
@@ -875,10 +897,11 @@ class Scheduler:
                 self.kv.num_held_blocks(r.request_id),
                 r.runs_to_max_tokens,
                 r.num_preemptions < cap,
-                self.footprint_blocks(r),
+                # A decode's last sampled token is computed in its next step: not a prompt.
+                max(0, r.num_tokens - 1 - r.num_computed_tokens),
             )
             for r in self.running
-            if not r.is_probe
+            if not r.is_probe and r.request_id not in excluding
         ]
 
     def _ahead(self, priority: int) -> int:

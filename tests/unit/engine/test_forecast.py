@@ -1,7 +1,6 @@
 """The slot forecast: when the k-th waiting request gets a running slot."""
 
 import itertools
-import math
 
 import pytest
 from hypothesis import given
@@ -144,15 +143,18 @@ def test_the_headroom_is_the_peak_of_projected_use_not_the_sum_of_final_footprin
     assert sum(r.growth for r in fc.kv_releases) == 15
     assert fc.kv_headroom_blocks == 15 - 6
     assert fc.kv_wait_s(9) == 0.0
-    # What the running hold and will take, all at their ends at once: the whole pool.
-    assert fc.committed_blocks(total=25, free=15) == 25
+    # What the running hold and will take, all at their ends at once.
+    assert fc.committed_blocks(total=40, free=15) == 40 - 15 + 15
     # Past the headroom, the wait is for the release that makes the room: after step 32 the
     # most held above today is 5 (at step 48: 9 grown, 4 given back).
     assert fc.kv_wait_s(10) == pytest.approx(32 * 0.01)
 
 
+BLOCK = 4
 releases = st.lists(
-    st.tuples(st.integers(1, 60), st.integers(0, 20), st.integers(0, 20)),  # steps, held, growth
+    # steps left, blocks held (with the rest of the prompt), blocks to grow by, and how far
+    # into its last held block its tokens are
+    st.tuples(st.integers(1, 60), st.integers(1, 20), st.integers(0, 20), st.integers(1, BLOCK)),
     max_size=12,
 )
 
@@ -160,21 +162,26 @@ releases = st.lists(
 @given(st.integers(0, 200), releases)
 def test_the_headroom_curve_is_the_projected_use_step_by_step(free, spec) -> None:
     """Against a step-by-step account of the same projection: at each step every request not
-    yet ended holds ``held`` and its share of its growth, one that has ended holds nothing;
-    the headroom from step k is the free blocks less the most held above today after k."""
-    rel = [KVRelease(s, h + g, held=h) for s, h, g in spec]
-    curve = headroom_by_step(free, rel)
+    yet ended holds its blocks and one more each time its tokens (one more a step) fill one,
+    up to its end; one that has ended holds nothing. The headroom from step k is the free
+    blocks less the most held above today at any step after k."""
+    rel = [KVRelease(s, h + g, held=h, tokens=(h - 1) * BLOCK + into) for s, h, g, into in spec]
+    curve = headroom_by_step(free, rel, BLOCK)
     horizon = max((r.steps for r in rel), default=0)
 
-    def above_today(step: int) -> float:
-        alive = sum(r.growth * step / r.steps for r in rel if r.steps >= step)
+    def above_today(step: int) -> int:
+        alive = sum(
+            min(r.held + r.growth, max(r.held, -(-(r.tokens + step) // BLOCK))) - r.held
+            for r in rel
+            if r.steps >= step
+        )
         return alive - sum(r.held for r in rel if r.steps < step)
 
     for step, room in curve:
-        highest = max((above_today(k) for k in range(step + 1, horizon + 2)), default=0.0)
+        highest = max((above_today(k) for k in range(step + 1, horizon + 2)), default=0)
         if step == 0:
-            highest = max(highest, 0.0)
-        assert room == free - math.ceil(highest - 1e-9)
+            highest = max(highest, 0)
+        assert room == free - highest
     rooms = [room for _, room in curve]
     assert rooms == sorted(rooms)  # room only grows as requests end
     assert rooms[0] <= free
@@ -182,10 +189,48 @@ def test_the_headroom_curve_is_the_projected_use_step_by_step(free, spec) -> Non
     assert rooms[-1] == free + sum(r.held for r in rel)
 
 
+def test_the_headroom_counts_each_request_a_whole_block_at_a_time() -> None:
+    """4-token blocks, 20 free. Six requests have just filled their last block and will grow
+    by 2 blocks in 8 steps; a seventh, of 10 blocks, ends at the next step. At that step each
+    of the six takes a block: 6 above today, though their growth spread evenly over their
+    steps would come to 2. After it, they grow by 12 while the seventh's 10 are back: 2."""
+    f = SlotForecaster(max_num_seqs=16)
+    f.observe_step(0.01)
+    six = [Running(produced=4, max_tokens=12, prompt_tokens=8, held_blocks=3, exact=True)] * 6
+    seventh = Running(produced=3, max_tokens=4, prompt_tokens=36, held_blocks=10, exact=True)
+    fc = f.forecast([*six, seventh], pool=PoolView(free_blocks=20, block_size=4))
+    assert [r.held_at(1, 4) - r.held for r in fc.kv_releases if r.steps == 8] == [1] * 6
+    assert fc.kv_headroom_blocks == 20 - 6
+    assert fc.kv_wait_s(15) == pytest.approx(0.01)  # once the seventh has ended
+
+
+def test_a_request_past_the_typical_output_is_not_counted_as_ending_now() -> None:
+    """With a typical output of 30 tokens, a request 40 tokens in may end any step: its slot is
+    forecast as soon as the next step. Its blocks are not counted as room for the others'
+    growth then: it is projected to run as long again as a typical request, and to grow."""
+    f = SlotForecaster(max_num_seqs=4)
+    f.observe_step(0.01)
+    for _ in range(50):
+        f.observe_finished(30)
+    past = Running(produced=40, max_tokens=1000, prompt_tokens=24, held_blocks=4)
+    fc = f.forecast([past], pool=PoolView(free_blocks=50, block_size=16))
+    assert fc.release_steps == (1,)  # its slot: any step now
+    (release,) = fc.kv_releases
+    assert release.steps == 30 and release.blocks == -(-(64 + 30) // 16)
+    assert fc.kv_headroom_blocks == 50 - (release.blocks - 4)
+    # A prompt still to compute puts its end off by a step per block of it.
+    prefilling = Running(
+        produced=0, max_tokens=10, prompt_tokens=160, held_blocks=2, uncomputed=128
+    )
+    (release,) = f.forecast([prefilling], pool=PoolView(50, 16)).kv_releases
+    assert release.steps == 10 + 128 // 16 and release.held == 10
+
+
 def test_the_blocks_of_a_request_the_scheduler_would_preempt_are_room_now() -> None:
     """16-token blocks, 12 free. Three short requests (2 blocks each, all held) and a long
-    one of 25 blocks (20 held, 5 owed) run: 11 blocks of headroom (the short ones end in 6
-    steps, the long one grows by one in those), and the long one ends in 190 steps. A short
+    one of 25 blocks (20 held, 5 owed) run: 12 blocks of headroom (the long one's 20 blocks
+    hold its next 110 tokens, and the short ones end in 6 steps), and it ends in 190 steps. A
+    short
     newcomer of its priority that needs 14 blocks does not wait for it: the
     scheduler would take its place (more than twice the newcomer's and the typical size). A
     newcomer of its own size does wait, and so does anyone when it may be preempted no more;
@@ -199,7 +244,7 @@ def test_the_blocks_of_a_request_the_scheduler_would_preempt_are_room_now() -> N
         return Running(10, 200, priority, 200, 20, exact=True, preemptible=preemptible)
 
     fc = f.forecast([*shorts, long()], pool=pool)
-    assert fc.kv_headroom_blocks == 11
+    assert fc.kv_headroom_blocks == 12
     assert fc.kv_wait_s(14, priority=0, own=2) == 0.0
     assert fc.wait_s(1, 0, blocks=14, own=2) == 0.0
     assert fc.kv_wait_s(14, priority=0, own=25) > 0  # of its size: waits for room
@@ -258,8 +303,9 @@ def test_a_request_runs_its_output_at_the_step_time_and_a_short_pool_holds_one_l
     roomy = f.forecast(
         [*shorts, long], pool=PoolView(free_blocks=100, block_size=16), typical_footprint=4
     )
-    # The short ones end in 20 steps, by when the long one has grown 11 * 20 / 190 blocks.
-    assert roomy.kv_headroom_blocks == 100 - math.ceil(20 + 11 * 20 / 190)
+    # The short ones end in 20 steps, each a block larger, by when the long one has taken one
+    # more block (230 tokens).
+    assert roomy.kv_headroom_blocks == 100 - (20 + 1)
     assert roomy.fit_together(25) == (69 + 25 - 16) // 25
     # In a burst that drains (no new short requests), what the short ones give back counts.
     assert roomy.fit_together(25, retaken=False) == (69 + 25 + 20 * 4 - 16) // 25

@@ -88,10 +88,9 @@ def test_admission_follows_priority_then_arrival():
 
 
 def optimistic(s: Scheduler) -> Scheduler:
-    """Projected footprints of one output token: as when the projection of what requests will
-    produce falls short, the scheduler lets more in than the pool can finish, and must
-    preempt."""
-    s.footprint_blocks = lambda r: s.kv.blocks_needed(r.num_tokens + 1)  # type: ignore[method-assign]
+    """Headroom for everyone: as when the projection of what requests will produce falls
+    short, the scheduler lets more in than the pool can finish, and must preempt."""
+    s._headroom = lambda excluding=frozenset(): (1 << 30, s.typical_footprint)  # type: ignore[method-assign]
     return s
 
 
