@@ -3,14 +3,16 @@
 Drives ``poise.engine.scheduler.Scheduler`` (the real one, with its KV cache manager) step by
 step with a fake runner: requests arrive at random (one a step with probability ``--rate``),
 with prompts of 20-300 tokens and output lengths drawn from a lognormal distribution
-(median e^4 = 55 tokens, sigma 1: heavy-tailed). A request either ends at EOS after its drawn
-length (``max_tokens`` 512: its length is not known in advance) or, with ``--exact-share``,
-runs to a ``max_tokens`` equal to its length (``ignore_eos``: its length is known). The
-typical output is the engine's own estimate (``SlotForecaster``) of the finished lengths.
+(median e^4 = 55 tokens, sigma 1: heavy-tailed; at most 512). A request either ends at EOS
+after its drawn length (``max_tokens`` 512: its length is not known in advance) or, with
+``--exact-share``, runs to a ``max_tokens`` equal to its length (``ignore_eos``: its length is
+known). The typical output is the engine's own estimate (``SlotForecaster``) of the finished
+lengths.
 
-Printed per seed: steps to serve every request (fewer: more work per step), preemptions in all,
-those where a running request found no block for its next token (the projection fell short:
-the kind admission is meant to prevent), and requests held back for room at least once.
+Printed per seed and in all: steps to serve every request (fewer: more work per step), tokens
+computed (prompts, recomputes after preemption and decodes: what a preemption costs), preemptions
+in all, those where a running request found no block for its next token (the projection fell
+short: the kind admission is meant to prevent), and requests held back for room at least once.
 
 To compare two admission rules, run it on two checkouts:
 
@@ -32,28 +34,29 @@ EOS = 2
 
 
 class Counted(Scheduler):
-    """The scheduler, counting the victims of a pool that ran out under running requests."""
+    """The scheduler, counting the preemptions admission makes (room for a newcomer): the
+    rest are of running requests that found no block for their next token."""
 
-    ran_out = 0
+    by_admission = 0
 
-    def _pick_victim(self, current: Request) -> Request | None:
-        victim = super()._pick_victim(current)
-        if victim is not None:
-            self.ran_out += 1
-        return victim
+    def _admit_waiting(self, *args: object) -> int:
+        before = self.num_preemptions_total
+        budget = super()._admit_waiting(*args)  # type: ignore[arg-type]
+        self.by_admission += self.num_preemptions_total - before
+        return budget
 
 
-def simulate(seed: int, args: argparse.Namespace) -> tuple[int, int, int, int]:
+def simulate(seed: int, args: argparse.Namespace) -> tuple[int, int, int, int, int]:
     rng = random.Random(seed)
     now = [0.0]
     s = Counted(SchedulerConfig(max_num_seqs=64), KVCacheManager(args.blocks, 16), lambda: now[0])
     forecaster = SlotForecaster(max_num_seqs=64)
     length: dict[str, int] = {}
     finished: list[int] = []
-    sent = steps = 0
+    sent = steps = computed = 0
     while len(finished) < args.requests:
         if sent < args.requests and rng.random() < args.rate:
-            draw = max(1, int(rng.lognormvariate(4.0, 1.0)))
+            draw = min(max(1, int(rng.lognormvariate(4.0, 1.0))), 512)
             exact = rng.random() < args.exact_share
             sampling = SamplingParams(ignore_eos=exact, stop_token_ids=None if exact else [EOS])
             prompt = [rng.randrange(3, 30000) for _ in range(rng.randint(20, 300))]
@@ -63,9 +66,10 @@ def simulate(seed: int, args: argparse.Namespace) -> tuple[int, int, int, int]:
                     rid, prompt, sampling, arrival_time=now[0], max_tokens=draw if exact else 512
                 )
             )
-            length[rid] = min(draw, 512)
+            length[rid] = draw
             sent += 1
         out = s.schedule()
+        computed += out.num_batched_tokens
         sampled = {}
         for q in out.sequences:
             if q.sample:
@@ -81,7 +85,8 @@ def simulate(seed: int, args: argparse.Namespace) -> tuple[int, int, int, int]:
         s.typical_output = None if mean is None else round(mean)
         now[0] += 0.02
         steps += 1
-    return steps, s.num_preemptions_total, s.ran_out, s.num_room_waits_total
+    ran_out = s.num_preemptions_total - s.by_admission
+    return steps, computed, s.num_preemptions_total, ran_out, s.num_room_waits_total
 
 
 def main() -> None:
@@ -92,10 +97,17 @@ def main() -> None:
     p.add_argument("--rate", type=float, default=0.6, help="chance of an arrival per step")
     p.add_argument("--exact-share", type=float, default=0.0)
     args = p.parse_args()
-    print("seed  steps  preemptions  ran-out  held-for-room")
+    print("seed  steps  tokens computed  preemptions  ran-out  held-for-room")
+    totals = [0] * 5
     for seed in range(args.seeds):
-        steps, preemptions, ran_out, waits = simulate(seed, args)
-        print(f"{seed:4d}  {steps:5d}  {preemptions:11d}  {ran_out:7d}  {waits:13d}")
+        row = simulate(seed, args)
+        totals = [t + v for t, v in zip(totals, row, strict=True)]
+        steps, computed, preemptions, ran_out, waits = row
+        print(
+            f"{seed:4d}  {steps:5d}  {computed:15d}  {preemptions:11d}  {ran_out:7d}  {waits:13d}"
+        )
+    steps, computed, preemptions, ran_out, waits = totals
+    print(f" all  {steps:5d}  {computed:15d}  {preemptions:11d}  {ran_out:7d}  {waits:13d}")
 
 
 if __name__ == "__main__":

@@ -97,8 +97,20 @@ class KVCacheManager:
     def _available(self, free: int) -> int:
         if self.limit is None:
             return free
-        held = self.num_blocks - len(self._free)
+        held = self.num_blocks - free
         return max(0, min(free, self.limit - held))
+
+    def num_free_blocks_without(self, request_ids: frozenset[str]) -> int:
+        """``num_free_blocks`` once these requests have given their blocks back: a block
+        another request also holds (a shared prefix) stays taken, and under ``limit`` a pool
+        held past it frees nothing until it is back under."""
+        drops: dict[int, int] = {}
+        for rid in request_ids:
+            for b in self._tables.get(rid, ()):
+                if b != NULL_BLOCK:
+                    drops[b] = drops.get(b, 0) + 1
+        freed = sum(1 for b, n in drops.items() if self.blocks[b].ref_cnt <= n)
+        return self._available(len(self._free) + freed)
 
     @property
     def num_cached_blocks(self) -> int:

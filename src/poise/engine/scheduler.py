@@ -552,6 +552,7 @@ class Scheduler:
         max_running = self.max_running
         i = looked_past = 0
         headroom: int | None = None  # blocks free once the running have grown: while any run
+        headroom_spent = False  # starts taken off it since it was counted
         typical = 0  # ``typical_footprint``, read with the headroom
         # The least passed over in this step, for slots (a footprint) and for room (blocks it
         # needs and must leave): one wanting at least as much waits too, at no cost to the
@@ -650,6 +651,12 @@ class Scheduler:
             reserve = 0 if overdue else room_left_for_others(footprint, typical)
             reserve = min(reserve, max(0, self.kv.capacity - footprint))
             fits = request.is_probe or headroom is None or need + reserve <= headroom
+            if not fits and headroom_spent:
+                # What started in this step came off as whole footprints; counted again, it
+                # is its part of the peak (a short one gives its blocks back before it).
+                headroom, typical = self._headroom()
+                headroom_spent = False
+                fits = need + reserve <= headroom
             if past_room and not request.is_probe and not fits:
                 break  # nobody is preempted for a start past the room
             if not fits and not overdue and room_floor is not None and need + reserve >= room_floor:
@@ -703,7 +710,8 @@ class Scheduler:
             scheduled.append(self._scheduled(request, n))
             budget = max(0, budget - n)
             if headroom is not None:
-                headroom -= max(0, need)
+                headroom -= max(0, need)  # at most: ``headroom_spent``
+                headroom_spent = True
             if room is not None and unbanked is not None:
                 room -= n
                 unbanked -= n
@@ -845,7 +853,8 @@ class Scheduler:
         if not candidates:
             return None
         victim = min(candidates, key=lambda r: r.num_computed_tokens)
-        if self.config.kv_headroom and own > self._headroom(frozenset({victim.request_id}))[0]:
+        wanted = own + room_left_for_others(own, typical)
+        if self.config.kv_headroom and wanted > self._headroom(frozenset({victim.request_id}))[0]:
             return None  # it would not start even in the long one's place
         return victim
 
@@ -881,8 +890,7 @@ class Scheduler:
         uncommitted, releases = kv_releases(
             self.running_view(excluding), self.typical_output, self.kv.block_size
         )
-        free = self.kv.num_free_blocks - uncommitted
-        free += sum(self.kv.num_held_blocks(rid) for rid in excluding)
+        free = self.kv.num_free_blocks_without(excluding) - uncommitted
         return free, dict(zip(ids, releases, strict=True))
 
     def running_view(self, excluding: frozenset[str] = frozenset()) -> list[Running]:

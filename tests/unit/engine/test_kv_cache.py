@@ -123,3 +123,25 @@ def test_a_limit_shrinks_the_pool_without_taking_what_is_held():
     assert not kv.allocate_slots(c, 16)  # 4 more would pass the limit (1 + 4 > 4)
     kv.limit = None
     assert kv.capacity == 10 and kv.num_free_blocks == 9 and kv.allocate_slots(c, 16)
+
+
+def test_the_blocks_a_preemption_would_free_are_those_nobody_else_holds():
+    """What the scheduler counts as made by preempting requests: a prefix block another
+    request also holds stays taken; two that share it free it together; under a limit the
+    pool is held past, what they give back only brings it under."""
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    a = req("a", [1, 2, 3, 4, 5, 6, 7, 8, 9])
+    assert kv.allocate_slots(a, 9)
+    a.num_computed_tokens = 9
+    kv.cache_full_blocks(a)
+    b = req("b", [1, 2, 3, 4, 5, 6, 7, 8, 42, 43])
+    hits = kv.get_computed_blocks(b)
+    assert kv.allocate_slots(b, 2, hits)  # a: 3 blocks, b: the 2 shared and 1 of its own
+    assert kv.num_free_blocks == 4
+    assert kv.num_free_blocks_without(frozenset({"a"})) == 4 + 1
+    assert kv.num_free_blocks_without(frozenset({"b"})) == 4 + 1
+    assert kv.num_free_blocks_without(frozenset({"a", "b"})) == 8
+    kv.limit = 2  # 4 held, 2 past it
+    assert kv.num_free_blocks == 0
+    assert kv.num_free_blocks_without(frozenset({"a"})) == 0  # 3 held: still past
+    assert kv.num_free_blocks_without(frozenset({"a", "b"})) == 2

@@ -854,7 +854,7 @@ def test_a_request_held_for_kv_room_is_counted_once_however_long_it_waits():
 
 def test_a_request_starts_where_the_running_requests_never_hold_their_footprints_at_once():
     """25 blocks of 4. Three requests will end at 32 tokens (8 blocks each), from prompts of
-    24, 16 and 8 tokens: in 8, 16 and 24 steps. A fifth (3 blocks) arrives a step later, when
+    24, 16 and 8 tokens: in 8, 16 and 24 steps. A fourth (3 blocks) arrives a step later, when
     they hold 15 blocks and will grow by 9 more: counted at once, that would leave 1 free. But
     the first gives its 8 back before the others have grown by 4: it starts at once, and every
     request finishes without a preemption."""
@@ -872,3 +872,20 @@ def test_a_request_starts_where_the_running_requests_never_hold_their_footprints
     assert preempted == []
     assert all(r.finish_reason == "length" for r in (*running, newcomer))
     assert s.kv.num_free_blocks == 25
+
+
+def test_what_started_in_the_step_is_counted_again_before_anyone_is_preempted():
+    """64 blocks of 4. A long interactive request (4 + 200 tokens) and a short batch one run.
+    Two short interactive requests arrive together; the first starts. Its whole footprint
+    comes off the step's headroom, which then looks too small for the second: counted again,
+    the first gives its blocks back long before the long one peaks, and the second fits. It
+    starts, and the batch request keeps its place."""
+    s, _ = make_scheduler(blocks=64, block_size=4)
+    add(s, "long", 4, max_tokens=200, first=1000)
+    batch = add(s, "batch", 4, max_tokens=8, priority=5, first=2000)
+    run_step(s)
+    first = add(s, "a", 4, max_tokens=36, first=3000)
+    second = add(s, "b", 4, max_tokens=16, first=4000)
+    out = run_step(s)
+    assert first.status is RequestStatus.RUNNING and second.status is RequestStatus.RUNNING
+    assert out.preempted_request_ids == [] and batch.status is RequestStatus.RUNNING
