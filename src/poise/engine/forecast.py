@@ -31,7 +31,7 @@ from __future__ import annotations
 import bisect
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True, slots=True)
@@ -262,8 +262,6 @@ def kv_releases(
     when it ends is not known: projected to end at the next step, its blocks were counted as
     room for everyone else's growth, step after step). A prompt still to compute lengthens it
     by a step per block of it (what a step computes of a prompt that gets any room)."""
-    running = list(running)
-    best = min((r.priority for r in running), default=0)
     uncommitted = 0
     releases = []
     for r in running:
@@ -280,15 +278,6 @@ def kv_releases(
         releases.append(
             KVRelease(steps, blocks, r.priority, footprint, r.preemptible, held, tokens)
         )
-    # A worse priority sits steps out while better ones run (``scheduler``'s pauses): when it
-    # ends is counted after every better one has, not as if it ran every step.
-    late = max(
-        (k.steps for k, r in zip(releases, running, strict=True) if r.priority == best), default=0
-    )
-    releases = [
-        replace(k, steps=k.steps + late) if r.priority > best else k
-        for k, r in zip(releases, running, strict=True)
-    ]
     return uncommitted, releases
 
 

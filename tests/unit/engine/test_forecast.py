@@ -317,15 +317,3 @@ def test_a_request_runs_its_output_at_the_step_time_and_a_short_pool_holds_one_l
     assert roomy.fit_together(25, retaken=False) == (69 + 25 + 20 * 4 - 16) // 25
     # While nothing runs the step time is that of a load gone: no run time is promised.
     assert f.forecast([], pool=pool).run_s(200, exact=True) == 0.0
-
-
-def test_a_worse_priority_is_counted_to_end_after_the_better_ones() -> None:
-    """Worse priorities sit steps out while better ones run: a batch request 5 steps from its
-    end beside an interactive one 10 from its end gives its blocks back, as the pool is
-    projected, after the interactive one's."""
-    f = SlotForecaster(max_num_seqs=8)
-    interactive = Running(produced=0, max_tokens=10, prompt_tokens=16, held_blocks=1, exact=True)
-    batch = Running(5, 10, priority=5, prompt_tokens=16, held_blocks=2, exact=True)
-    fc = f.forecast([interactive, batch], pool=PoolView(free_blocks=50, block_size=16))
-    assert sorted((r.priority, r.steps) for r in fc.kv_releases) == [(0, 10), (5, 15)]
-    assert fc.release_steps == (5, 10)  # its slot, as before
