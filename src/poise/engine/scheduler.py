@@ -884,17 +884,21 @@ class Scheduler:
     ) -> tuple[int, dict[str, KVRelease]]:
         """The free blocks less the rest of the running prompts, and each running request's
         ``KVRelease`` by id; with those ``excluding`` names preempted."""
-        ids = [
-            r.request_id for r in self.running if not r.is_probe and r.request_id not in excluding
-        ]
+        counted = self._counted(excluding)
         uncommitted, releases = kv_releases(
-            self.running_view(excluding), self.typical_output, self.kv.block_size
+            self.running_view(counted), self.typical_output, self.kv.block_size
         )
         free = self.kv.num_free_blocks_without(excluding) - uncommitted
-        return free, dict(zip(ids, releases, strict=True))
+        return free, {r.request_id: k for r, k in zip(counted, releases, strict=True)}
 
-    def running_view(self, excluding: frozenset[str] = frozenset()) -> list[Running]:
-        """The running requests as the forecast sees them (health probes aside)."""
+    def _counted(self, excluding: frozenset[str] = frozenset()) -> list[Request]:
+        """The running requests the pool's projection counts: health probes aside, and those
+        ``excluding`` names."""
+        return [r for r in self.running if not r.is_probe and r.request_id not in excluding]
+
+    def running_view(self, requests: list[Request] | None = None) -> list[Running]:
+        """These running requests (all that ``_counted`` counts by default) as the forecast
+        sees them."""
         cap = self.config.max_preemptions
         return [
             Running(
@@ -908,8 +912,7 @@ class Scheduler:
                 # A decode's last sampled token is computed in its next step: not a prompt.
                 max(0, r.num_tokens - 1 - r.num_computed_tokens),
             )
-            for r in self.running
-            if not r.is_probe and r.request_id not in excluding
+            for r in (self._counted() if requests is None else requests)
         ]
 
     def _ahead(self, priority: int) -> int:
