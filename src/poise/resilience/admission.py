@@ -387,24 +387,23 @@ class AdmissionController:
             return replace(self._refuse("overloaded", wait, wait - target), sheds_priority=whole)
         return None
 
-    def _passed(self, priority: int, own: int) -> int:
-        """Waiting requests of this priority that one of ``own`` blocks would start past: larger
-        than it and short of room in the pool now (the engine starts smaller ones past them).
-        Their arrivals are no queue it joins: long prompts admitted to wait for room on a
-        short KV pool made it look filling, and the short requests beside them were refused."""
+    def _passed(self, priority: int, own: int) -> list[float]:
+        """When the waiting requests of this priority that one of ``own`` blocks would start
+        past arrived: larger than it and short of room in the pool now (the engine starts
+        smaller ones past them). Their arrivals are no queue it joins: long prompts admitted to
+        wait for room on a short KV pool made it look filling, and the short requests beside
+        them were refused."""
         if self.forecast is None:
-            return 0
+            return []
         forecast = self.forecast()
-        since = self.clock() - self.config.trend.interval_s  # only those the trend counts
-        return sum(
-            1
+        return [
+            t.arrival
             for t in self.waiting.values()
             if t.priority == priority
             and t.counted
-            and t.arrival > since
             and t.blocks > own
             and not forecast.fits_now(t.blocks)
-        )
+        ]
 
     def _big(self, blocks: Sequence[int], priority: int) -> bool:
         """Under a flood, to be refused for its size: more than ``BIG_FACTOR`` times the typical

@@ -13,8 +13,15 @@ demand) and how many started, so here the trend is counted rather than inferred 
 The rules, for a queue whose newcomers are predicted to wait past the target (a *long* queue):
 
 - The queue is **filling** while the requests that arrived over the last ``interval_s`` (refused
-  or not) outnumber those that started by more than ``slack`` plus ``margin`` of the starts.
-  Only then are newcomers that would wait past the target refused. A queue that drains (a burst
+  or not) outnumber those that started by more than ``slack`` plus ``margin`` of the starts, or
+  do so over the last ``long_interval_s``. Only then are newcomers that would wait past the
+  target refused. The slack is two requests, or ``slack_s`` of starts at the measured pace
+  where that is fewer (but at least one: an arrival and its start fall on either side of a
+  window's edge): on a slow host two requests are seconds of waiting. The longer window
+  catches an excess too small for the short one to show: at twice a slow host's capacity
+  (one request a second) a 5 s window held about three more arrivals than starts, the
+  counts' noise hid it one arrival in three, and each such arrival was admitted to wait
+  seconds past the target. A queue that drains (a burst
   being served, a closed loop of clients that each send again when answered) is not filling,
   however long it is. A request refused for its own size (a smaller one would have been
   taken) is withdrawn from the count: it is no demand on the queue the smaller ones join.
@@ -48,15 +55,17 @@ packets' sojourn times. Pure, with the clock injected.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 
 @dataclass(frozen=True, slots=True)
 class TrendConfig:
-    interval_s: float = 5.0  # arrivals and starts are compared over this much of the past
+    interval_s: float = 5.0  # arrivals and starts are compared over this much of the past ...
+    long_interval_s: float = 20.0  # ... and over this much
     margin: float = 0.1  # arrivals may exceed starts by this share of the starts ...
-    slack: int = 2  # ... plus this many, before the queue counts as filling
+    slack: int = 2  # ... plus this many, before the queue counts as filling ...
+    slack_s: float = 0.25  # ... or this long of starts at the measured pace, where fewer
     burst_gap_s: float = 0.1  # a burst's members arrive at most this far apart ...
     burst_min: int = 8  # ... at least this many of them ...
     burst_factor: float = 5.0  # ... this many times faster than requests start, or more ...
@@ -68,17 +77,22 @@ class TrendConfig:
             raise ValueError(
                 "interval_s must be positive, burst_gap_s, burst_max_s and shed_s not negative"
             )
-        if self.margin < 0 or self.slack < 0 or self.burst_min < 1 or self.burst_factor < 0:
-            raise ValueError("margin, slack, burst_factor >= 0 and burst_min >= 1")
+        if self.long_interval_s < self.interval_s:
+            raise ValueError("long_interval_s must be at least interval_s")
+        if self.margin < 0 or self.slack < 1 or self.slack_s < 0 or self.burst_min < 1:
+            raise ValueError("margin and slack_s >= 0, slack and burst_min >= 1")
+        if self.burst_factor < 0:
+            raise ValueError("burst_factor must not be negative")
 
 
 class QueueTrend:
     def __init__(self, config: TrendConfig, clock: Callable[[], float]) -> None:
         self.config = config
         self.clock = clock
-        self._arrivals: deque[float] = deque()  # over the interval, a burst's members left out
-        self._starts: deque[float] = deque()  # over the interval
-        self._counted_from = float("-inf")  # demand is counted from here: a burst ended then
+        horizons = (config.interval_s, config.long_interval_s)
+        self._arrivals = _Times(horizons)  # a burst's members left out
+        self._starts = _Times(horizons)  # since the last burst ended
+        self._service_rate: float | None = None  # requests started per second, last told
         self._long = False
         self._last_arrival = float("-inf")
         self._run_since = float("-inf")  # the first of the run of arrivals going on
@@ -100,6 +114,8 @@ class QueueTrend:
         self._prune(now)
         previous, self._last_arrival = self._last_arrival, now
         self._long = long
+        if service_rate is not None:
+            self._service_rate = service_rate
         new_run = now - previous > self.config.burst_gap_s
         if self._burst:
             if not new_run and now - self._run_since <= self.config.burst_max_s:
@@ -111,19 +127,17 @@ class QueueTrend:
             self._run_calm = not outranked and not self._filling_at(now)
         self._run_size += count
         self._dense = self._run_is_dense(now, service_rate)
-        self._arrivals.extend([now] * count)
+        self._arrivals.add(now, count)
         if self._run_calm and self._dense and self._run_size >= self.config.burst_min:
             self._burst = True  # its members so far are no demand either
-            while self._arrivals and self._arrivals[-1] >= self._run_since:
-                self._arrivals.pop()
+            self._arrivals.drop_since(self._run_since)
 
     def withdraw(self, count: int) -> None:
         """The last ``count`` arrivals were refused for their own size, not for the queue: a
         smaller request would have been taken, so they are no demand on the queue the smaller
         ones join (long prompts refused on a short KV pool made it look filling, and the
         short requests beside them were refused for waits of half a second)."""
-        for _ in range(min(count, len(self._arrivals))):
-            self._arrivals.pop()
+        self._arrivals.drop_last(count)
 
     def shed(self) -> None:
         """A whole priority was refused for load: a gateway in front now holds such requests
@@ -135,7 +149,7 @@ class QueueTrend:
         """A waiting request started."""
         now = self.clock()
         self._prune(now)
-        self._starts.append(now)
+        self._starts.add(now)
 
     # ----- what it says -----
     @property
@@ -152,10 +166,10 @@ class QueueTrend:
 
     @property
     def filling(self) -> bool:
-        return self.filling_past(0)
+        return self.filling_past(())
 
-    def filling_past(self, passed: int) -> bool:
-        """Filling for a newcomer that will start past ``passed`` of the requests counted
+    def filling_past(self, passed: Sequence[float]) -> bool:
+        """Filling for a newcomer that will start past the requests that arrived at ``passed``
         (waiting for room it does not need): their arrivals are left out."""
         now = self.clock()
         self._prune(now)
@@ -171,8 +185,8 @@ class QueueTrend:
         # over all the same.
         burst_over = now - self._last_arrival > self.config.burst_max_s
         return (
-            not self._arrivals
-            and not self._starts
+            not self._arrivals.count(self.config.long_interval_s)
+            and not self._starts.count(self.config.long_interval_s)
             and (not self._burst or burst_over)
             and now >= self._shedding_until
         )
@@ -181,10 +195,19 @@ class QueueTrend:
     def last_arrival(self) -> float:
         return self._last_arrival
 
-    def counts(self) -> tuple[int, int]:
-        """(arrivals, starts) counted over the last interval."""
+    def counts(self, horizon: float | None = None) -> tuple[int, int]:
+        """(arrivals, starts) counted over the last ``horizon`` (one of the two intervals;
+        None: the short one)."""
         self._prune(self.clock())
-        return len(self._arrivals), self._counted_starts()
+        horizon = self.config.interval_s if horizon is None else horizon
+        return self._arrivals.count(horizon), self._starts.count(horizon)
+
+    def filling_over(self) -> float | None:
+        """The interval over which the counts say the queue fills (the short one first), or
+        None (it may still count as filling after a shed)."""
+        now = self.clock()
+        self._prune(now)
+        return next((h for h in self._arrivals.horizons if self._exceeds(now, h, ())), None)
 
     @property
     def state(self) -> str:
@@ -207,24 +230,70 @@ class QueueTrend:
     def _end_burst(self, last_member: float) -> None:
         self._burst = False
         self._run_calm = False  # a run that outlasts its burst is a flood, not a second burst
-        self._counted_from = last_member
+        # Demand is counted from its end: the starts before it served the burst.
+        self._starts.drop_until(last_member)
         self._arrivals.clear()
 
-    def _counted_starts(self) -> int:
-        return sum(1 for t in self._starts if t > self._counted_from)
-
-    def _filling_at(self, now: float, passed: int = 0) -> bool:
-        return now < self._shedding_until or self._exceeds(max(0, len(self._arrivals) - passed))
-
-    def _exceeds(self, arrivals: int) -> bool:
+    def _slack(self) -> float:
         c = self.config
-        starts = self._counted_starts()
-        return arrivals > starts + c.slack + c.margin * starts
+        if self._service_rate is None:
+            return float(c.slack)
+        return max(1.0, min(float(c.slack), c.slack_s * self._service_rate))
+
+    def _filling_at(self, now: float, passed: Sequence[float] = ()) -> bool:
+        return now < self._shedding_until or any(
+            self._exceeds(now, h, passed) for h in self._arrivals.horizons
+        )
+
+    def _exceeds(self, now: float, horizon: float, passed: Sequence[float]) -> bool:
+        since = now - horizon
+        arrivals = self._arrivals.count(horizon) - sum(1 for t in passed if t > since)
+        starts = self._starts.count(horizon)
+        return arrivals > starts + self._slack() + self.config.margin * starts
 
     def _prune(self, now: float) -> None:
-        horizon = now - self.config.interval_s
-        for times in (self._arrivals, self._starts):
-            while times and times[0] <= horizon:
+        self._arrivals.prune(now)
+        self._starts.prune(now)
+
+
+class _Times:
+    """The times of events over each of a few horizons, a queue per horizon, so that each count
+    is a length: under a flood of hundreds a second, counting one long queue's tail on every
+    arrival would cost more than the admission decision itself."""
+
+    def __init__(self, horizons: Sequence[float]) -> None:
+        self.horizons = tuple(horizons)
+        self._times = {h: deque[float]() for h in self.horizons}
+
+    def add(self, at: float, count: int = 1) -> None:
+        for times in self._times.values():
+            times.extend([at] * count)
+
+    def count(self, horizon: float) -> int:
+        return len(self._times[horizon])
+
+    def drop_last(self, count: int) -> None:
+        for times in self._times.values():
+            for _ in range(min(count, len(times))):
+                times.pop()
+
+    def drop_since(self, since: float) -> None:
+        for times in self._times.values():
+            while times and times[-1] >= since:
+                times.pop()
+
+    def drop_until(self, until: float) -> None:
+        for times in self._times.values():
+            while times and times[0] <= until:
+                times.popleft()
+
+    def clear(self) -> None:
+        for times in self._times.values():
+            times.clear()
+
+    def prune(self, now: float) -> None:
+        for horizon, times in self._times.items():
+            while times and times[0] <= now - horizon:
                 times.popleft()
 
 
@@ -263,20 +332,28 @@ class PriorityTrends:
         """Requests of a better priority arrived or started over the last interval."""
         return any(p < priority and any(t.counts()) for p, t in self._trends.items())
 
-    def filling(self, priority: int, passed: int = 0) -> bool:
+    def filling(self, priority: int, passed: Sequence[float] = ()) -> bool:
         """Whether the queue a newcomer of this priority joins fills: its own priority's, left
-        out ``passed`` of its arrivals that it will start past, or a better one's."""
+        out the arrivals (at ``passed``) it will start past, or a better one's."""
         return any(
-            t.filling_past(passed if p == priority else 0)
+            t.filling_past(passed if p == priority else ())
             for p, t in self._trends.items()
             if p <= priority
         )
 
-    def counts(self, priority: int | None = None) -> tuple[int, int]:
+    def counts(self, priority: int | None = None, horizon: float | None = None) -> tuple[int, int]:
         """(arrivals, starts) of this priority and better (None: of all) over the last
-        interval."""
-        pairs = [t.counts() for p, t in self._trends.items() if priority is None or p <= priority]
+        ``horizon`` (None: the short interval)."""
+        pairs = [
+            t.counts(horizon) for p, t in self._trends.items() if priority is None or p <= priority
+        ]
         return sum(a for a, _ in pairs), sum(s for _, s in pairs)
+
+    def filling_over(self, priority: int) -> float:
+        """The interval over which this priority's queue (or a better one's) fills, for a
+        refusal's message: the short one unless only the long one says so."""
+        found = [t.filling_over() for p, t in self._trends.items() if p <= priority]
+        return min((h for h in found if h is not None), default=self.config.interval_s)
 
     @property
     def state(self) -> str:

@@ -352,11 +352,12 @@ class Replica:
     def _refusal_message(self, reason: str, wait: float, priority: int, run_s: float) -> str:
         waiting = len(self.admission.waiting)
         if reason == "overloaded":
-            arrived, started = self.admission.trends.counts(priority)
+            over = self.admission.trends.filling_over(priority)
+            arrived, started = self.admission.trends.counts(priority, over)
             return (
                 f"the server is overloaded: {arrived} requests of priority {priority} or better "
                 f"arrived and {started} started "
-                f"over the last {self.admission.config.trend.interval_s:g}s, and this one would "
+                f"over the last {over:g}s, and this one would "
                 f"wait {wait:.2f}s (more than {self.settings.queue_target_s:g}s) behind "
                 f"{waiting} waiting"
             )

@@ -224,3 +224,62 @@ def test_a_shed_holds_the_queue_filling_for_a_moment_not_an_interval():
     assert trend.filling
     clock.now += 1.1
     assert not trend.filling
+
+
+def slow_host_overload(config: TrendConfig, seed: int) -> tuple[int, int]:
+    """Poisson arrivals at 2 a second on a server that starts one request every 0.75 s (a slow
+    host at about 1.5x its capacity), for a minute, each newcomer refused as admission does
+    (long: someone waits ahead, 0.75 s past a 0.5 s target). Returns (refused, admitted to
+    wait past a second)."""
+    clock, rng = Clock(), random.Random(seed)
+    trend = QueueTrend(config, clock)
+    arrivals, t = [], 0.0
+    while t < 60.0:
+        t += rng.expovariate(2.0)
+        arrivals.append(t)
+    waiting, next_start, refusals, late = 0, 0.0, 0, 0
+    for at in arrivals:
+        while next_start <= at:  # the server starts one whenever one waits, each 0.75 s
+            if waiting:
+                clock.now = 100.0 + next_start
+                waiting -= 1
+                trend.start()
+            next_start += 0.75
+        clock.now = 100.0 + at
+        long = waiting >= 1
+        trend.arrival(1, long, service_rate=1 / 0.75)
+        if refused(trend, long):
+            refusals += 1
+            continue
+        late += waiting * 0.75 + (next_start - at) > 1.0
+        waiting += 1
+    return refusals, late
+
+
+def test_a_slow_hosts_small_excess_fills_the_queue():
+    """Two requests of slack are seconds on a slow host, and a 5 s window holds about three
+    more arrivals than starts there: its noise hid the excess one arrival in three, and each
+    was admitted to wait past a second. The slack in time and the long window see it."""
+    old = TrendConfig(long_interval_s=5.0, slack_s=1e9)  # 5 s only, slack two requests
+    for seed in range(5):
+        refused_new, late_new = slow_host_overload(TrendConfig(), seed)
+        _, late_old = slow_host_overload(old, seed)
+        assert refused_new > 20  # about a third of the 120 must go
+        assert late_new <= 3 and late_old >= 2 * late_new + 5
+
+
+def test_a_closed_loop_on_a_slow_host_is_not_a_flood():
+    """Each client sends again as soon as answered, a start every 0.77 s: an arrival and its
+    start on either side of a window's edge is no excess (the slack is at least one)."""
+    clock = Clock()
+    trend = QueueTrend(TrendConfig(), clock)
+    for i in range(16):
+        clock.now += 0.001
+        trend.arrival(1, long=i >= 1, service_rate=1.3)
+    rng = random.Random(5)
+    for _ in range(120):
+        clock.now += rng.uniform(0.6, 0.95)
+        trend.start()
+        clock.now += 0.002
+        trend.arrival(1, long=True, service_rate=1.3)
+        assert not refused(trend, True)
