@@ -13,15 +13,16 @@ demand) and how many started, so here the trend is counted rather than inferred 
 The rules, for a queue whose newcomers are predicted to wait past the target (a *long* queue):
 
 - The queue is **filling** while the requests that arrived over the last ``interval_s`` (refused
-  or not) outnumber those that started by more than ``slack`` plus ``margin`` of the starts, or
-  do so over the last ``long_interval_s``. Only then are newcomers that would wait past the
-  target refused. The slack is two requests, or ``slack_s`` of starts at the measured pace
-  where that is fewer (but at least one: an arrival and its start fall on either side of a
-  window's edge): on a slow host two requests are seconds of waiting. The longer window
-  catches an excess too small for the short one to show: at twice a slow host's capacity
-  (one request a second) a 5 s window held about three more arrivals than starts, the
-  counts' noise hid it one arrival in three, and each such arrival was admitted to wait
-  seconds past the target. A queue that drains (a burst
+  or not) outnumber those that started by more than ``slack`` plus ``margin`` of the starts;
+  or over the last ``long_interval_s``, while the short interval still holds more arrivals
+  than starts (so a flood that is over leaves no hangover), by more than ``slack_s`` of starts
+  at the measured pace (at least one request, at most ``slack``) plus the margin. Only then
+  are newcomers that would wait past the target refused. The longer window catches an excess
+  too small for the short one to show on a slow host, where two requests are seconds of
+  waiting: at about 1.5x the capacity of one that starts a request a second, a 5 s window
+  held about three arrivals more than starts, short of the slack and margin one arrival in
+  three, and each such arrival was admitted to wait seconds past the target. A queue that
+  drains (a burst
   being served, a closed loop of clients that each send again when answered) is not filling,
   however long it is. A request refused for its own size (a smaller one would have been
   taken) is withdrawn from the count: it is no demand on the queue the smaller ones join.
@@ -65,7 +66,7 @@ class TrendConfig:
     long_interval_s: float = 20.0  # ... and over this much
     margin: float = 0.1  # arrivals may exceed starts by this share of the starts ...
     slack: int = 2  # ... plus this many, before the queue counts as filling ...
-    slack_s: float = 0.25  # ... or this long of starts at the measured pace, where fewer
+    slack_s: float = 0.25  # ... over the long interval, this long of starts (1 to slack)
     burst_gap_s: float = 0.1  # a burst's members arrive at most this far apart ...
     burst_min: int = 8  # ... at least this many of them ...
     burst_factor: float = 5.0  # ... this many times faster than requests start, or more ...
@@ -114,8 +115,7 @@ class QueueTrend:
         self._prune(now)
         previous, self._last_arrival = self._last_arrival, now
         self._long = long
-        if service_rate is not None:
-            self._service_rate = service_rate
+        self._service_rate = service_rate  # None: not measured lately, nor kept from then
         new_run = now - previous > self.config.burst_gap_s
         if self._burst:
             if not new_run and now - self._run_since <= self.config.burst_max_s:
@@ -177,8 +177,8 @@ class QueueTrend:
 
     @property
     def quiet(self) -> bool:
-        """Nothing counted over the interval, no burst going on and no shedding: forgetting
-        it loses nothing."""
+        """Nothing counted over the long interval, no burst going on and no shedding:
+        forgetting it loses nothing."""
         now = self.clock()
         self._prune(now)
         # A burst ends only at its priority's next arrival: long after its last member, it is
@@ -195,11 +195,10 @@ class QueueTrend:
     def last_arrival(self) -> float:
         return self._last_arrival
 
-    def counts(self, horizon: float | None = None) -> tuple[int, int]:
-        """(arrivals, starts) counted over the last ``horizon`` (one of the two intervals;
-        None: the short one)."""
+    def counts(self, long: bool = False) -> tuple[int, int]:
+        """(arrivals, starts) counted over the last interval (``long``: the long one)."""
         self._prune(self.clock())
-        horizon = self.config.interval_s if horizon is None else horizon
+        horizon = self.config.long_interval_s if long else self.config.interval_s
         return self._arrivals.count(horizon), self._starts.count(horizon)
 
     def filling_over(self) -> float | None:
@@ -207,7 +206,7 @@ class QueueTrend:
         None (it may still count as filling after a shed)."""
         now = self.clock()
         self._prune(now)
-        return next((h for h in self._arrivals.horizons if self._exceeds(now, h, ())), None)
+        return self._filling_over(now, ())
 
     @property
     def state(self) -> str:
@@ -241,15 +240,27 @@ class QueueTrend:
         return max(1.0, min(float(c.slack), c.slack_s * self._service_rate))
 
     def _filling_at(self, now: float, passed: Sequence[float] = ()) -> bool:
-        return now < self._shedding_until or any(
-            self._exceeds(now, h, passed) for h in self._arrivals.horizons
-        )
+        return now < self._shedding_until or self._filling_over(now, passed) is not None
 
-    def _exceeds(self, now: float, horizon: float, passed: Sequence[float]) -> bool:
+    def _filling_over(self, now: float, passed: Sequence[float]) -> float | None:
+        """The window whose counts say the queue fills: the short one past a slack of
+        ``slack`` requests; else the long one past the slack in time, while the short one
+        still holds more arrivals than starts (a flood over is no hangover for 20 s)."""
+        short, long = self.config.interval_s, self.config.long_interval_s
+        excess = self._excess(now, short, passed)
+        if excess > self.config.slack + self.config.margin * self._starts.count(short):
+            return short
+        if excess > 0 and self._excess(now, long, passed) > self._slack() + (
+            self.config.margin * self._starts.count(long)
+        ):
+            return long
+        return None
+
+    def _excess(self, now: float, horizon: float, passed: Sequence[float]) -> int:
+        """Arrivals over starts in the last ``horizon``, less those at ``passed``."""
         since = now - horizon
         arrivals = self._arrivals.count(horizon) - sum(1 for t in passed if t > since)
-        starts = self._starts.count(horizon)
-        return arrivals > starts + self._slack() + self.config.margin * starts
+        return arrivals - self._starts.count(horizon)
 
     def _prune(self, now: float) -> None:
         self._arrivals.prune(now)
@@ -341,11 +352,11 @@ class PriorityTrends:
             if p <= priority
         )
 
-    def counts(self, priority: int | None = None, horizon: float | None = None) -> tuple[int, int]:
+    def counts(self, priority: int | None = None, long: bool = False) -> tuple[int, int]:
         """(arrivals, starts) of this priority and better (None: of all) over the last
-        ``horizon`` (None: the short interval)."""
+        interval (``long``: the long one)."""
         pairs = [
-            t.counts(horizon) for p, t in self._trends.items() if priority is None or p <= priority
+            t.counts(long) for p, t in self._trends.items() if priority is None or p <= priority
         ]
         return sum(a for a, _ in pairs), sum(s for _, s in pairs)
 

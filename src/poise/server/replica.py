@@ -205,6 +205,7 @@ class Replica:
                 "queue_state": self.admission.trends.state,
                 "wait_error_s": round(self.admission.wait_error(0), 4),
                 "arrived_started": list(self.admission.trends.counts()),
+                "arrived_started_long": list(self.admission.trends.counts(long=True)),
                 "start_pace": self.admission.paces(),
             },
             "inflight_requests": len(self.inflight),
@@ -353,7 +354,8 @@ class Replica:
         waiting = len(self.admission.waiting)
         if reason == "overloaded":
             over = self.admission.trends.filling_over(priority)
-            arrived, started = self.admission.trends.counts(priority, over)
+            long = over > self.admission.config.trend.interval_s
+            arrived, started = self.admission.trends.counts(priority, long)
             return (
                 f"the server is overloaded: {arrived} requests of priority {priority} or better "
                 f"arrived and {started} started "
