@@ -248,7 +248,7 @@ class QueueTrend:
         still holds more arrivals than starts (a flood over is no hangover for 20 s)."""
         short, long = self.config.interval_s, self.config.long_interval_s
         excess = self._excess(now, short, passed)
-        if excess > self.config.slack + self.config.margin * self._starts.count(short):
+        if excess > self._slack() + self.config.margin * self._starts.count(short):
             return short
         if excess > 0 and self._excess(now, long, passed) > self._slack() + (
             self.config.margin * self._starts.count(long)
