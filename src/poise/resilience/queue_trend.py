@@ -13,16 +13,16 @@ demand) and how many started, so here the trend is counted rather than inferred 
 The rules, for a queue whose newcomers are predicted to wait past the target (a *long* queue):
 
 - The queue is **filling** while the requests that arrived over the last ``interval_s`` (refused
-  or not) outnumber those that started by more than ``slack`` plus ``margin`` of the starts;
-  or over the last ``long_interval_s``, while the short interval still holds more arrivals
-  than starts (so a flood that is over leaves no hangover), by more than ``slack_s`` of starts
-  at the measured pace (at least one request, at most ``slack``) plus the margin. Only then
-  are newcomers that would wait past the target refused. The longer window catches an excess
-  too small for the short one to show on a slow host, where two requests are seconds of
-  waiting: at about 1.5x the capacity of one that starts a request a second, a 5 s window
-  held about three arrivals more than starts, short of the slack and margin one arrival in
-  three, and each such arrival was admitted to wait seconds past the target. A queue that
-  drains (a burst
+  or not) outnumber those that started by more than a slack plus ``margin`` of the starts; or
+  do so over the last ``long_interval_s`` while the short interval still holds more arrivals
+  than starts (so a flood that is over leaves no hangover). The slack is ``slack_s`` of starts
+  at the measured pace, at least one request and at most ``slack``: on a slow host two
+  requests are seconds of waiting. The longer window catches an excess too small for the
+  short one to show there: at about 1.5x the capacity of a host that starts a request a
+  second, a 5 s window held about three arrivals more than starts, short of the slack and
+  margin one arrival in three, and each such arrival was admitted to wait seconds past the
+  target. Only while the queue fills are newcomers that would wait past the target refused.
+  A queue that drains (a burst
   being served, a closed loop of clients that each send again when answered) is not filling,
   however long it is. A request refused for its own size (a smaller one would have been
   taken) is withdrawn from the count: it is no demand on the queue the smaller ones join.
@@ -65,8 +65,8 @@ class TrendConfig:
     interval_s: float = 5.0  # arrivals and starts are compared over this much of the past ...
     long_interval_s: float = 20.0  # ... and over this much
     margin: float = 0.1  # arrivals may exceed starts by this share of the starts ...
-    slack: int = 2  # ... plus this many, before the queue counts as filling ...
-    slack_s: float = 0.25  # ... over the long interval, this long of starts (1 to slack)
+    slack: int = 2  # ... plus at most this many, before the queue counts as filling: ...
+    slack_s: float = 0.25  # ... this long of starts at the measured pace (at least one)
     burst_gap_s: float = 0.1  # a burst's members arrive at most this far apart ...
     burst_min: int = 8  # ... at least this many of them ...
     burst_factor: float = 5.0  # ... this many times faster than requests start, or more ...
@@ -243,9 +243,9 @@ class QueueTrend:
         return now < self._shedding_until or self._filling_over(now, passed) is not None
 
     def _filling_over(self, now: float, passed: Sequence[float]) -> float | None:
-        """The window whose counts say the queue fills: the short one past a slack of
-        ``slack`` requests; else the long one past the slack in time, while the short one
-        still holds more arrivals than starts (a flood over is no hangover for 20 s)."""
+        """The window whose counts say the queue fills: the short one; else the long one,
+        while the short one still holds more arrivals than starts (a flood that is over
+        leaves no hangover)."""
         short, long = self.config.interval_s, self.config.long_interval_s
         excess = self._excess(now, short, passed)
         if excess > self._slack() + self.config.margin * self._starts.count(short):
