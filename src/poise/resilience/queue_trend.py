@@ -248,13 +248,16 @@ class QueueTrend:
         leaves no hangover)."""
         short, long = self.config.interval_s, self.config.long_interval_s
         excess = self._excess(now, short, passed)
-        if excess > self._slack() + self.config.margin * self._starts.count(short):
+        if excess > self._allowed(short):
             return short
-        if excess > 0 and self._excess(now, long, passed) > self._slack() + (
-            self.config.margin * self._starts.count(long)
-        ):
+        if excess > 0 and self._excess(now, long, passed) > self._allowed(long):
             return long
         return None
+
+    def _allowed(self, horizon: float) -> float:
+        """How far arrivals may outnumber starts over ``horizon`` before the queue fills: the
+        slack plus the margin of the starts."""
+        return self._slack() + self.config.margin * self._starts.count(horizon)
 
     def _excess(self, now: float, horizon: float, passed: Sequence[float]) -> int:
         """Arrivals over starts in the last ``horizon``, less those at ``passed``."""
