@@ -13,6 +13,7 @@ restored (``/admin/backends/restore``), and enters routing once a health check p
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -105,12 +106,14 @@ def stop_group(
 ) -> int:
     """``sig`` to the process group ``proc`` leads (started with ``start_new_session``: a
     ``poise up`` and the servers it started), SIGKILL to the group if ``proc`` has not ended
-    within ``timeout_s``."""
-    os.killpg(proc.pid, sig)
+    within ``timeout_s``. A group that has already ended is no error."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, sig)
     try:
         proc.wait(timeout_s)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
     return proc.returncode
 
