@@ -10,8 +10,9 @@ seconds. So a long wait alone refuses nothing here. A newcomer is refused at onc
   default timeout), or, when it runs to its max_tokens (``Need.exact``), too late to produce
   them before it: it cannot be served in time;
 - the queue is *filling*, that is more requests of its priority or a better one arrive than
-  start (``queue_trend``: counted per priority, so a batch flood fills the batch queue, not the
-  interactive one beside it), and it is predicted to wait longer than ``queue_target_s``.
+  start or finish (``queue_trend``: counted per priority, so a batch flood fills the batch
+  queue, not the interactive one beside it), and it is predicted to wait longer than
+  ``queue_target_s``.
   Under a flood this keeps the queue about the target deep, so the requests admitted keep
   their time to first token; a burst that drains, or a closed loop of clients that each send
   again when answered, is served however long the queue it makes. While the queue fills, a
@@ -196,6 +197,7 @@ class AdmissionController:
         self.trends = PriorityTrends(config.trend, clock)
         self.waiting: dict[str, Ticket] = {}
         self.waiting_tokens = 0
+        self._running: dict[str, int] = {}  # started and counted: key -> priority, until it ends
         # The pace of typical starts and of large ones (False, True), measured apart: large
         # requests wait for room in the pool while smaller ones start past them.
         self._pace = {
@@ -424,6 +426,7 @@ class AdmissionController:
             return None
         if ticket.counted:
             self.trends.of(ticket.priority).start()
+            self._running[key] = ticket.priority
         now = self.clock()
         error = now - ticket.arrival - ticket.predicted
         if ticket.teaches:
@@ -450,8 +453,12 @@ class AdmissionController:
         return error if target is None else min(error, target / 2)
 
     def left(self, key: str) -> None:
-        """The request left the queue without starting (abort, timeout, error, shed)."""
+        """The request ended: answered, or left the queue without starting (abort, timeout,
+        error, shed)."""
         self._remove(key)
+        priority = self._running.pop(key, None)
+        if priority is not None:
+            self.trends.of(priority).finish()
 
     @property
     def mean_start_interval_s(self) -> float | None:

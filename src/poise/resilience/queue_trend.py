@@ -13,19 +13,24 @@ demand) and how many started, so here the trend is counted rather than inferred 
 The rules, for a queue whose newcomers are predicted to wait past the target (a *long* queue):
 
 - The queue is **filling** while the requests that arrived over the last ``interval_s`` (refused
-  or not) outnumber those that started by more than a slack plus ``margin`` of the starts; or
-  do so over the last ``long_interval_s`` while the short interval still holds more arrivals
-  than starts (so a flood that is over leaves no hangover). The slack is ``slack_s`` of starts
-  at the measured pace, at least one request and at most ``slack``: on a slow host two
-  requests are seconds of waiting. The longer window catches an excess too small for the
-  short one to show there: at about 1.5x the capacity of a host that starts a request a
-  second, a 5 s window held about three arrivals more than starts, short of the slack and
-  margin one arrival in three, and each such arrival was admitted to wait seconds past the
-  target. Only while the queue fills are newcomers that would wait past the target refused.
-  A queue that drains (a burst
-  being served, a closed loop of clients that each send again when answered) is not filling,
-  however long it is. A request refused for its own size (a smaller one would have been
-  taken) is withdrawn from the count: it is no demand on the queue the smaller ones join.
+  or not) outnumber those *served* by more than a slack plus ``margin`` of the served; or do
+  so over the last ``long_interval_s`` while the short interval still holds more arrivals than
+  served (so a flood that is over leaves no hangover). Served are the requests that started,
+  or those that finished where more did: when a batch shrinks faster than its queue's prefills
+  start, the room is there all the same. A closed loop of clients that each send again when
+  answered sends a wave as a wave of answers ends; counted against starts alone, that wave
+  looked like a flood on a host whose prefills start a request a few times a second, and its
+  refusals (each sent again, and counted again) kept the loop refused while one request
+  waited. The slack is ``slack_s`` of starts at the measured pace, at least one request and at
+  most ``slack``: on a slow host two requests are seconds of waiting. The longer window
+  catches an excess too small for the short one to show there: at about 1.5x the capacity of
+  a host that starts a request a second, a 5 s window held about three arrivals more than
+  starts, short of the slack and margin one arrival in three, and each such arrival was
+  admitted to wait seconds past the target. Only while the queue fills are newcomers that
+  would wait past the target refused. A queue that drains (a burst being served, a closed
+  loop) is not filling, however long it is. A request refused for its own size (a smaller one
+  would have been taken) is withdrawn from the count: it is no demand on the queue the
+  smaller ones join.
 - A **burst** is a run of arrivals, each within ``burst_gap_s`` of the one before, that began
   while arrivals were calm (the queue not filling), at least ``burst_min`` strong and coming
   ``burst_factor`` times faster than the server starts requests or more (any such run while
@@ -93,6 +98,7 @@ class QueueTrend:
         horizons = (config.interval_s, config.long_interval_s)
         self._arrivals = _Times(horizons)  # a burst's members left out
         self._starts = _Times(horizons)  # since the last burst ended
+        self._finishes = _Times(horizons)  # of requests that had started; the same way
         self._service_rate: float | None = None  # requests started per second, last told
         self._long = False
         self._last_arrival = float("-inf")
@@ -151,6 +157,12 @@ class QueueTrend:
         self._prune(now)
         self._starts.add(now)
 
+    def finish(self) -> None:
+        """A request that had started ended (answered, aborted, failed)."""
+        now = self.clock()
+        self._prune(now)
+        self._finishes.add(now)
+
     # ----- what it says -----
     @property
     def bursting(self) -> bool:
@@ -187,6 +199,7 @@ class QueueTrend:
         return (
             not self._arrivals.count(self.config.long_interval_s)
             and not self._starts.count(self.config.long_interval_s)
+            and not self._finishes.count(self.config.long_interval_s)
             and (not self._burst or burst_over)
             and now >= self._shedding_until
         )
@@ -196,10 +209,10 @@ class QueueTrend:
         return self._last_arrival
 
     def counts(self, long: bool = False) -> tuple[int, int]:
-        """(arrivals, starts) counted over the last interval (``long``: the long one)."""
+        """(arrivals, served) counted over the last interval (``long``: the long one)."""
         self._prune(self.clock())
         horizon = self.config.long_interval_s if long else self.config.interval_s
-        return self._arrivals.count(horizon), self._starts.count(horizon)
+        return self._arrivals.count(horizon), self._served(horizon)
 
     def filling_over(self) -> float | None:
         """The interval over which the counts say the queue fills (the short one first), or
@@ -231,6 +244,7 @@ class QueueTrend:
         self._run_calm = False  # a run that outlasts its burst is a flood, not a second burst
         # Demand is counted from its end: the starts before it served the burst.
         self._starts.drop_until(last_member)
+        self._finishes.drop_until(last_member)
         self._arrivals.clear()
 
     def _slack(self) -> float:
@@ -257,17 +271,23 @@ class QueueTrend:
     def _allowed(self, horizon: float) -> float:
         """How far arrivals may outnumber starts over ``horizon`` before the queue fills: the
         slack plus the margin of the starts."""
-        return self._slack() + self.config.margin * self._starts.count(horizon)
+        return self._slack() + self.config.margin * self._served(horizon)
+
+    def _served(self, horizon: float) -> int:
+        """Starts over ``horizon``, or finishes where more finished: a batch that shrank
+        made room its queue will take, however slowly the newcomers' prefills start."""
+        return max(self._starts.count(horizon), self._finishes.count(horizon))
 
     def _excess(self, now: float, horizon: float, passed: Sequence[float]) -> int:
-        """Arrivals over starts in the last ``horizon``, less those at ``passed``."""
+        """Arrivals over those served in the last ``horizon``, less arrivals at ``passed``."""
         since = now - horizon
         arrivals = self._arrivals.count(horizon) - sum(1 for t in passed if t > since)
-        return arrivals - self._starts.count(horizon)
+        return arrivals - self._served(horizon)
 
     def _prune(self, now: float) -> None:
         self._arrivals.prune(now)
         self._starts.prune(now)
+        self._finishes.prune(now)
 
 
 class _Times:
@@ -356,8 +376,8 @@ class PriorityTrends:
         )
 
     def counts(self, priority: int | None = None, long: bool = False) -> tuple[int, int]:
-        """(arrivals, starts) of this priority and better (None: of all) over the last
-        interval (``long``: the long one)."""
+        """(arrivals, served: see ``QueueTrend.counts``) of this priority and better (None:
+        of all) over the last interval (``long``: the long one)."""
         pairs = [
             t.counts(long) for p, t in self._trends.items() if priority is None or p <= priority
         ]

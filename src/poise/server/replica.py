@@ -355,10 +355,10 @@ class Replica:
         if reason == "overloaded":
             over = self.admission.trends.filling_over(priority)
             long = over > self.admission.config.trend.interval_s
-            arrived, started = self.admission.trends.counts(priority, long)
+            arrived, served = self.admission.trends.counts(priority, long)
             return (
                 f"the server is overloaded: {arrived} requests of priority {priority} or better "
-                f"arrived and {started} started "
+                f"arrived and {served} started (or finished, where more did) "
                 f"over the last {over:g}s, and this one would "
                 f"wait {wait:.2f}s (more than {self.settings.queue_target_s:g}s) behind "
                 f"{waiting} waiting"

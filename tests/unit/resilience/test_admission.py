@@ -579,3 +579,20 @@ def test_what_the_short_requests_free_is_room_for_long_ones_only_once_no_more_co
     assert ac.predicted_wait(0, 1, 10) == pytest.approx(20.0)
     clock.now += 6.0
     assert ac.predicted_wait(0, 1, 10) == pytest.approx(10.0)
+
+
+def test_a_started_request_that_ends_counts_as_served_once_and_a_queued_one_does_not():
+    """The trend hears of a finish from ``left`` only for a request that had started: a
+    request that left the queue unstarted (aborted, timed out) made no room in the batch."""
+    ac, clock = make()
+    for key in ("a", "b", "c"):
+        assert ac.admit([key], [1], priority=0, needs=blocks(2)).admitted
+    ac.started("a")
+    clock.now += 4.0
+    ac.left("a")  # answered
+    ac.left("b")  # gave up while waiting
+    ac.left("a")  # a second report of the same end counts for nothing
+    clock.now += 2.0  # the start is out of the 5 s window, the finish is not
+    assert ac.trends.counts(0) == (0, 1)
+    clock.now += 4.0
+    assert ac.trends.counts(0) == (0, 0)

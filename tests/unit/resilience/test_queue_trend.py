@@ -144,23 +144,33 @@ def test_a_burst_is_bounded_in_time():
 
 
 @settings(max_examples=100, deadline=None)
-@given(st.lists(st.tuples(st.floats(0, 0.5), st.booleans(), st.booleans()), max_size=200))
+@given(
+    st.lists(
+        st.tuples(
+            st.floats(0, 0.5), st.sampled_from(["arrival", "start", "finish"]), st.booleans()
+        ),
+        max_size=200,
+    )
+)
 def test_what_is_counted_happened_and_a_burst_is_never_held_against_the_queue(ops):
     clock = Clock()
     trend = QueueTrend(TrendConfig(), clock)
-    arrivals = starts = 0
-    for dt, is_start, long in ops:
+    arrivals = starts = finishes = 0
+    for dt, what, long in ops:
         clock.now += dt
-        if is_start:
+        if what == "start":
             trend.start()
             starts += 1
+        elif what == "finish":
+            trend.finish()
+            finishes += 1
         else:
             trend.arrival(1, long)
             arrivals += 1
             if trend.bursting:
                 assert trend.in_burst and trend.state == "burst"
-        counted_arrivals, counted_starts = trend.counts()
-        assert counted_arrivals <= arrivals and counted_starts <= starts
+        counted_arrivals, served = trend.counts()
+        assert counted_arrivals <= arrivals and served <= max(starts, finishes)
 
 
 def test_admission_serves_a_burst_whose_wait_is_long_and_sheds_a_flood():
@@ -307,3 +317,70 @@ def test_a_closed_loop_on_a_slow_host_is_not_a_flood():
         clock.now += rng.uniform(0.0, 0.01)
         trend.arrival(1, long=True, service_rate=1.3)
         assert not refused(trend, True)
+
+
+def closed_loop_in_waves(told_of_finishes: bool, seed: int) -> int:
+    """24 clients on a replica that runs them all at once (its batch has room) but starts a
+    newcomer only every 0.1-0.2 s (its prefills): the first wave a burst sent at once, each
+    answer about 10 s later, each client sending again as it is answered. How many of the
+    arrivals after the first wave it would refuse."""
+    clock = Clock()
+    trend = QueueTrend(TrendConfig(), clock)
+    rng = random.Random(seed)
+    pace = 1 / 0.15
+    for i in range(24):
+        clock.now += 0.001
+        trend.arrival(1, long=i >= 2, service_rate=None if i == 0 else pace)
+    starts = []
+    t = clock.now
+    for _ in range(24):
+        t += rng.uniform(0.1, 0.2)
+        starts.append(t)
+    refusals = 0
+    for _ in range(5):
+        events = [(s, "start") for s in starts]
+        ends = sorted(s + rng.uniform(9.5, 10.5) for s in starts)
+        events += [(e, "end") for e in ends]
+        # The next wave starts one at a time once its clients have sent again.
+        nxt, t = [], ends[0]
+        for e in ends:
+            t = max(t, e) + rng.uniform(0.1, 0.2)
+            nxt.append(t)
+        for at, what in sorted(events):
+            clock.now = at
+            if what == "start":
+                trend.start()
+            else:
+                if told_of_finishes:
+                    trend.finish()
+                # Those of the next wave sent by now that have not started, this one too.
+                waiting = sum(1 for e, s in zip(ends, nxt, strict=True) if e <= at < s)
+                clock.now = at + 0.001
+                trend.arrival(1, long=waiting * 0.15 > 0.5, service_rate=pace)
+                refusals += refused(trend, waiting * 0.15 > 0.5)
+        starts = nxt
+    return refusals
+
+
+def test_a_closed_loop_whose_answers_end_in_waves_is_not_a_flood():
+    """As a wave of answers ends, its clients send the next wave, faster than the prefills
+    start it: counted against starts alone that looks like a flood; the batch that shrank as
+    fast is the room the wave takes."""
+    for seed in range(5):
+        assert closed_loop_in_waves(True, seed) == 0
+        assert closed_loop_in_waves(False, seed) > 0  # what starts alone would refuse
+
+
+def test_finishes_do_not_hide_a_flood():
+    """A full batch under a flood: each start follows a finish, and three times as many
+    arrive; the queue fills as it did when starts alone were counted."""
+    clock = Clock()
+    trend = QueueTrend(TrendConfig(), clock)
+    for k in range(300):
+        clock.now += 1 / 30
+        trend.arrival(1, long=True, service_rate=10.0)
+        if k % 3 == 0:
+            trend.finish()
+            trend.start()
+        if k > 60:
+            assert refused(trend, True)
