@@ -13,6 +13,12 @@ serve``), ``poise up`` with two replicas (``--target up``), or vLLM's CPU build 
 benchmark venv ``.cache/vllm-venv`` (``--target vllm``). Everything stops by pid.
 
     python benchmarks/burst.py --model .cache/models/w0 --target serve [--bursts 3] [--json F]
+
+``--closed-loop S`` runs a closed loop instead: ``--concurrency`` clients, started over
+``--ramp-s`` seconds (users arriving, or ``vllm bench serve --request-rate R --max-concurrency
+N``), each sending its next W1 request when the last is answered or has failed, for S seconds.
+Every such request is one the server could serve: no more are ever waiting than there are
+clients.
 """
 
 from __future__ import annotations
@@ -95,6 +101,21 @@ def wait_routable(url: str, model: str, replicas: int) -> None:
 async def one_burst(url: str, model: str, index: int, seed: int, concurrency: int) -> BurstReport:
     work = workload_w1(32000, seed=seed, n=concurrency)
     report = BurstReport(index, len(work.prompts))
+    http, client = _client(url, report)
+    t0 = time.perf_counter()
+    async with http:
+        await asyncio.gather(
+            *(
+                _complete(client, model, report, p, n)
+                for p, n in zip(work.prompts, work.output_lens, strict=True)
+            )
+        )
+    report.seconds = time.perf_counter() - t0
+    return report
+
+
+def _client(url: str, report: BurstReport) -> tuple[httpx.AsyncClient, openai.AsyncOpenAI]:
+    """The official client as it comes, and every 429/503 it sees counted in the report."""
 
     async def count_refusals(response: httpx.Response) -> None:
         if response.status_code in (429, 503):
@@ -105,33 +126,48 @@ async def one_burst(url: str, model: str, index: int, seed: int, concurrency: in
         limits=httpx.Limits(max_connections=1000, max_keepalive_connections=1000),
         timeout=600,
     )
-    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", http_client=http)
+    return http, openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", http_client=http)
 
-    async def one(prompt: list[int], max_tokens: int) -> None:
-        try:
-            r = await client.completions.create(
-                model=model,
-                prompt=prompt,
-                max_tokens=max_tokens,
-                temperature=0,
-                extra_body={"ignore_eos": True},
-            )
-            report.completed += 1
-            report.output_tokens += r.usage.completion_tokens if r.usage else 0
-        except openai.APIError as exc:
-            report.failed += 1
-            kind = f"{getattr(exc, 'status_code', None)} {type(exc).__name__}"
-            report.errors[kind] = report.errors.get(kind, 0) + 1
-            if len(report.messages) < 3:
-                report.messages.append(str(exc)[:300])
 
+async def closed_loop(url: str, model: str, args: argparse.Namespace) -> BurstReport:
+    work = workload_w1(32000, seed=7, n=max(256, 4 * args.concurrency))
+    report = BurstReport(0, 0)
+    http, client = _client(url, report)
+    items = iter(list(zip(work.prompts, work.output_lens, strict=True)) * 100)
     t0 = time.perf_counter()
+
+    async def user(i: int) -> None:
+        await asyncio.sleep(i * args.ramp_s / args.concurrency)
+        while time.perf_counter() - t0 < args.closed_loop:
+            prompt, max_tokens = next(items)
+            report.sent += 1
+            await _complete(client, model, report, prompt, max_tokens)
+
     async with http:
-        await asyncio.gather(
-            *(one(p, n) for p, n in zip(work.prompts, work.output_lens, strict=True))
-        )
+        await asyncio.gather(*(user(i) for i in range(args.concurrency)))
     report.seconds = time.perf_counter() - t0
     return report
+
+
+async def _complete(
+    client: openai.AsyncOpenAI, model: str, report: BurstReport, prompt: list[int], max_tokens: int
+) -> None:
+    try:
+        r = await client.completions.create(
+            model=model,
+            prompt=prompt,
+            max_tokens=max_tokens,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
+        report.completed += 1
+        report.output_tokens += r.usage.completion_tokens if r.usage else 0
+    except openai.APIError as exc:
+        report.failed += 1
+        kind = f"{getattr(exc, 'status_code', None)} {type(exc).__name__}"
+        report.errors[kind] = report.errors.get(kind, 0) + 1
+        if len(report.messages) < 3:
+            report.messages.append(str(exc)[:300])
 
 
 def main() -> int:
@@ -144,6 +180,8 @@ def main() -> int:
     ap.add_argument("--url", help="an already running deployment instead of starting one")
     ap.add_argument("--served-name", help="with --url: the model name to ask for")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--closed-loop", type=float, help="seconds of a closed loop, not bursts")
+    ap.add_argument("--ramp-s", type=float, default=0.0, help="closed loop: clients start over")
     args = ap.parse_args()
     proc = None
     if args.url:
@@ -154,11 +192,16 @@ def main() -> int:
         url = f"http://127.0.0.1:{port}"
     reports = []
     try:
-        for i in range(args.bursts):
-            r = asyncio.run(one_burst(url, name, i + 1, seed=i, concurrency=args.concurrency))
+        runs = [None] if args.closed_loop else range(args.bursts)
+        for i in runs:
+            if i is None:
+                r = asyncio.run(closed_loop(url, name, args))
+            else:
+                r = asyncio.run(one_burst(url, name, i + 1, seed=i, concurrency=args.concurrency))
             reports.append(r)
+            what = "closed loop" if i is None else f"burst {r.burst}"
             print(
-                f"burst {r.burst}: {r.completed}/{r.sent} completed, {r.failed} failed, "
+                f"{what}: {r.completed}/{r.sent} completed, {r.failed} failed, "
                 f"{r.refusals_seen} refusals seen, {r.seconds:.1f}s, "
                 f"{r.output_tokens / r.seconds:.0f} out-tok/s {r.errors or ''}",
                 flush=True,
