@@ -34,7 +34,7 @@ def chaos(model: Path, scenario: str, work: Path) -> dict[str, Any]:
     argv = [
         sys.executable, "-m", "poise.cli", "chaos", "--scenario", scenario, "--model",
         str(model), "--duration", str(duration), "--json", str(report), "--work-dir",
-        str(work), "--capacity", "10", "--gateway-defaults",
+        str(work), "--rate", "4", "--capacity", "10", "--gateway-defaults",
     ]  # fmt: skip
     # A session of its own, so that a run that overstays is stopped with all it started.
     proc = subprocess.Popen(

@@ -9,8 +9,9 @@ from pathlib import Path
 from poise.bench.command import format_success
 from poise.bench.report import Stats
 from poise.bench.workload import Lengths
+from poise.chaos.capacity import CLIENTS_PER_REPLICA, LOAD_SHARE
 from poise.chaos.report import ChaosReport, Counts
-from poise.chaos.runner import Setup, run_scenario
+from poise.chaos.runner import Setup, measure_capacity, run_scenario
 from poise.chaos.scenarios import SCENARIOS, ChaosError, Plan
 from poise.resilience.success import RunSuccess
 
@@ -37,13 +38,16 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     p.add_argument("--model-name", default="demo", help="the model name requests ask for")
     p.add_argument("--duration", type=float, default=60.0, help="seconds of load per scenario")
-    p.add_argument("--rate", type=float, default=4.0, help="steady requests per second")
+    p.add_argument(
+        "--rate",
+        type=float,
+        help=f"steady requests per second (default: {LOAD_SHARE:g} of the capacity)",
+    )
     p.add_argument(
         "--capacity",
         type=float,
-        default=25.0,
         help="requests per second the deployment serves at these lengths (flood: 10x this); "
-        "25 is what the demo model's two replicas serve on two cores",
+        f"default: measured first, by {CLIENTS_PER_REPLICA} clients per replica in a closed loop",
     )
     p.add_argument("--prompt-len", default="24", help="words per prompt: N or LOW:HIGH")
     p.add_argument("--output-len", default="128", help="tokens per answer: N or LOW:HIGH")
@@ -69,26 +73,10 @@ def main(args: argparse.Namespace) -> int:
         raise SystemExit(
             f"error: unknown scenario(s) {', '.join(unknown)}; know {', '.join(SCENARIOS)}"
         )
-    plan = Plan.of(
-        args.duration,
-        args.rate,
-        args.capacity,
-        Lengths.parse(args.prompt_len),
-        Lengths.parse(args.output_len),
-    )
+    plan = _plan(args)
     reports: list[ChaosReport] = []
     for name in names:
-        setup = Setup(
-            model=args.model,
-            replicas=args.replicas,
-            gateway_url=args.gateway,
-            replica_urls=tuple(args.replica),
-            model_name=args.model_name,
-            deadline_s=args.deadline,
-            seed=args.seed,
-            work_dir=None if args.work_dir is None else args.work_dir / name,
-            gateway_defaults=args.gateway_defaults,
-        )
+        setup = _setup(args, name)
         try:
             report = run_scenario(
                 SCENARIOS[name], plan, setup, lambda line: print(line, flush=True)
@@ -107,6 +95,42 @@ def main(args: argparse.Namespace) -> int:
         args.json.write_text(json.dumps([r.as_dict() for r in reports], indent=1))
         print(f"report: {args.json}")
     return 0 if all(r.passed for r in reports) else 1
+
+
+def _setup(args: argparse.Namespace, name: str) -> Setup:
+    return Setup(
+        model=args.model,
+        replicas=args.replicas,
+        gateway_url=args.gateway,
+        replica_urls=tuple(args.replica),
+        model_name=args.model_name,
+        deadline_s=args.deadline,
+        seed=args.seed,
+        work_dir=None if args.work_dir is None else args.work_dir / name,
+        gateway_defaults=args.gateway_defaults,
+    )
+
+
+def _plan(args: argparse.Namespace) -> Plan:
+    """The run's plan; its capacity measured first unless given (see ``chaos.capacity``)."""
+    lengths = (Lengths.parse(args.prompt_len), Lengths.parse(args.output_len))
+    capacity, measured = args.capacity, args.capacity is None
+    if capacity is None:
+        try:
+            found = measure_capacity(_setup(args, "capacity"), lengths, print)
+        except (ChaosError, ValueError) as exc:
+            raise SystemExit(f"error: capacity: {exc}") from None
+        capacity = found.rps
+        print(
+            f"capacity: {found.rps:.2f} req/s ({found.events_per_s:.0f} tokens/s, "
+            f"{found.events_per_answer:.0f} per answer, {found.answers} answers, "
+            f"{found.refused} refused)",
+            flush=True,
+        )
+    rate = LOAD_SHARE * capacity if args.rate is None else args.rate
+    print(f"steady load: {rate:.2f} req/s; capacity {capacity:.2f} req/s "
+          f"({'measured' if measured else 'given'})", flush=True)  # fmt: skip
+    return Plan.of(args.duration, rate, capacity, *lengths, capacity_measured=measured)
 
 
 def _s(v: float | None, none: str = "-") -> str:

@@ -26,7 +26,8 @@ import aiohttp
 import httpx
 
 from poise.bench.client import SendOptions, auth_headers, client_session, request_body, send
-from poise.bench.workload import Item
+from poise.bench.workload import Item, Lengths
+from poise.chaos import capacity as cap
 from poise.chaos import report as rep
 from poise.chaos.harness import LocalHarness, RemoteHarness
 from poise.chaos.load import Sent, drive, schedule
@@ -116,6 +117,41 @@ def run_scenario(
         return _run(scenario, plan, setup, remote, log)
     with _local(scenario, setup, work, log) as local:
         return _run(scenario, plan, setup, local, log)
+
+
+# The deployment a capacity is measured on: a scenario without a fault or keys of its own.
+_CALIBRATION = Scenario(
+    "capacity", "a closed loop, no fault", lambda h: None, target=None, detect="none"
+)
+
+
+def measure_capacity(
+    setup: Setup, lengths: tuple[Lengths, Lengths], log: Callable[[str], None]
+) -> cap.Capacity:
+    """The capacity of the deployment the scenarios will run on (started for it, then
+    stopped, when it is local), measured as ``capacity`` describes."""
+    if setup.gateway_url is None and setup.model is None:
+        raise ChaosError("give --model (a local deployment) or --gateway URL")
+
+    def on(deployed: _Deployed) -> cap.Capacity:
+        _wait_routable(deployed, len(deployed.replica_urls), None)
+        clients = cap.CLIENTS_PER_REPLICA * max(1, len(deployed.replica_urls))
+        calibration = cap.Calibration(clients)
+        log(f"measuring capacity: {clients} clients in a closed loop for "
+            f"{calibration.warm_s + calibration.window_s:g}s")  # fmt: skip
+
+        async def run() -> cap.Capacity:
+            await _warm(deployed.gateway_url, setup.model_name, None)
+            return await cap.measure(deployed.gateway_url, setup.model_name, lengths, calibration)
+
+        return asyncio.run(run())
+
+    if setup.gateway_url is not None:
+        urls = list(setup.replica_urls)
+        return on(_Deployed(setup.gateway_url, urls, RemoteHarness(urls)))
+    work = setup.work_dir or Path(tempfile.mkdtemp(prefix="poise-chaos-"))
+    with _local(_CALIBRATION, setup, work, log) as local:
+        return on(local)
 
 
 def _run(

@@ -63,6 +63,7 @@ class Plan:
     prompt_len: Lengths
     output_len: Lengths
     capacity: float  # requests per second the deployment serves at the steady lengths
+    capacity_measured: bool = False  # measured on this host before the run, not given
 
     @classmethod
     def of(
@@ -72,6 +73,7 @@ class Plan:
         capacity: float,
         prompt_len: Lengths | None = None,
         output_len: Lengths | None = None,
+        capacity_measured: bool = False,
     ) -> Plan:
         """The fault a third of the way in, held for a third: steady, hurt, after."""
         return cls(
@@ -82,6 +84,7 @@ class Plan:
             prompt_len=prompt_len or Lengths(24),
             output_len=output_len or Lengths(128),
             capacity=capacity,
+            capacity_measured=capacity_measured,
         )
 
     @property
