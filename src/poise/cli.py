@@ -158,8 +158,9 @@ def _add_serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--queue-target-s",
         type=float,
-        help="while more requests arrive than start, refuse what is predicted to wait longer "
-        "than this (default 0.5; 0: never for the wait alone); a burst that drains is served",
+        help="while more requests arrive than start or finish, refuse what is predicted to "
+        "wait longer than this (default 0.5; 0: never for the wait alone); a burst that drains "
+        "is served",
     )
     p.add_argument(
         "--burst-gap-s",

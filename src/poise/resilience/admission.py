@@ -106,6 +106,10 @@ class Forecast(Protocol):
         running slots a large request must leave to others go."""
         ...
 
+    def room_now(self, blocks: int) -> bool:
+        """Whether a request of ``blocks`` has a running slot now and fits the pool."""
+        ...
+
     def fit_together(self, blocks: int, retaken: bool = True) -> int:
         """How many requests of ``blocks`` the pool holds at once, with what large requests
         leave to others (at least 1); ``retaken``: what the typical running requests give
@@ -377,7 +381,8 @@ class AdmissionController:
                     trend.withdraw(count)
                 return self._refuse("deadline", wait, wait)
         passed = self._passed(priority, max(t.blocks for t in tickets))
-        if (long or big) and not trend.in_burst and self.trends.filling(priority, passed):
+        room = self.room_now()
+        if (long or big) and not trend.in_burst and self.trends.filling(priority, passed, room):
             assert target is not None
             if not long:  # its size alone: the flood's largest go first
                 trend.withdraw(count)
@@ -388,6 +393,15 @@ class AdmissionController:
                 trend.withdraw(count)
             return replace(self._refuse("overloaded", wait, wait - target), sheds_priority=whole)
         return None
+
+    def room_now(self) -> bool:
+        """Whether a typical request would find a slot and blocks now: only then do the
+        requests that ended count as served (room made that the queue will take), not while
+        the pool shrinks under a fault or the running cap holds them back."""
+        if self.forecast is None:
+            return True
+        forecast = self.forecast()
+        return forecast.room_now(max(1, forecast.typical_footprint))
 
     def _passed(self, priority: int, own: int) -> list[float]:
         """When the waiting requests of this priority that one of ``own`` blocks would start
@@ -452,13 +466,20 @@ class AdmissionController:
         target = self.config.queue_target_s
         return error if target is None else min(error, target / 2)
 
-    def left(self, key: str) -> None:
-        """The request ended: answered, or left the queue without starting (abort, timeout,
-        error, shed)."""
+    def left(self, key: str, answered: bool = False) -> None:
+        """The request ended: ``answered`` (it ran to its end), or not (an abort, a timeout,
+        an error, or shed from the queue before it started).
+
+        An answer of a request that had started counts as served for the best priority
+        waiting then (the engine gives the slot to it), or its own if none waits; a request
+        cut short does not: an engine that stalls ends its running requests at their
+        deadlines while nothing starts, and that is no room made."""
         self._remove(key)
         priority = self._running.pop(key, None)
-        if priority is not None:
-            self.trends.of(priority).finish()
+        if priority is None or not answered:
+            return
+        best = min((t.priority for t in self.waiting.values()), default=priority)
+        self.trends.of(best).finish()
 
     @property
     def mean_start_interval_s(self) -> float | None:

@@ -204,8 +204,8 @@ class Replica:
                 "saturated": self.admission.saturated,
                 "queue_state": self.admission.trends.state,
                 "wait_error_s": round(self.admission.wait_error(0), 4),
-                "arrived_started": list(self.admission.trends.counts()),
-                "arrived_started_long": list(self.admission.trends.counts(long=True)),
+                "arrived_served": list(self.admission.trends.counts()),
+                "arrived_served_long": list(self.admission.trends.counts(long=True)),
                 "start_pace": self.admission.paces(),
             },
             "inflight_requests": len(self.inflight),
@@ -353,9 +353,10 @@ class Replica:
     def _refusal_message(self, reason: str, wait: float, priority: int, run_s: float) -> str:
         waiting = len(self.admission.waiting)
         if reason == "overloaded":
-            over = self.admission.trends.filling_over(priority)
+            room = self.admission.room_now()
+            over = self.admission.trends.filling_over(priority, room)
             long = over > self.admission.config.trend.interval_s
-            arrived, served = self.admission.trends.counts(priority, long)
+            arrived, served = self.admission.trends.counts(priority, long, room)
             return (
                 f"the server is overloaded: {arrived} requests of priority {priority} or better "
                 f"arrived and {served} started (or finished, where more did) "
@@ -412,6 +413,7 @@ class Replica:
         # The engine ends a late request at its next step; should the loop itself be stuck,
         # the client is still told at its deadline (plus a grace of a few steps).
         deadline = None if request.deadline is None else request.deadline + DEADLINE_GRACE_S
+        answered = False  # ran to its end: its slot is room the queue takes (admission)
         try:
             async with asyncio.timeout_at(deadline):
                 async for out in self.engine.stream(request, prepared.text):
@@ -432,6 +434,7 @@ class Replica:
                         results.put_nowait((index, out))
                         continue
                     reason = out.outputs[0].finish_reason or "error"
+                    answered = reason in ("stop", "length")
                     m.finished(reason, tracked.prompt_tokens)
                     if prepared.report is not None:
                         prepared.report.engine_done(
@@ -460,7 +463,7 @@ class Replica:
         except InvalidRequestError as exc:  # refused by the engine thread itself
             results.put_nowait((index, APIError(400, str(exc), param=exc.param)))
         finally:
-            self.admission.left(key)
+            self.admission.left(key, answered)
             self.inflight.pop(key, None)
             results.put_nowait((index, None))
 

@@ -44,6 +44,9 @@ class FakeForecast:
     def fits_now(self, blocks: int) -> bool:
         return blocks <= self.kv_headroom_blocks
 
+    def room_now(self, blocks: int) -> bool:
+        return self.fits_now(blocks)
+
     def fit_together(self, blocks: int, retaken: bool = True) -> int:
         return self.together if retaken else self.together_drained
 
@@ -582,17 +585,33 @@ def test_what_the_short_requests_free_is_room_for_long_ones_only_once_no_more_co
 
 
 def test_a_started_request_that_ends_counts_as_served_once_and_a_queued_one_does_not():
-    """The trend hears of a finish from ``left`` only for a request that had started: a
-    request that left the queue unstarted (aborted, timed out) made no room in the batch."""
+    """The trend hears of a finish from ``left`` only for a request that had started and ran
+    to its end: one that left the queue unstarted, or was cut short (an engine that stalls
+    ends its running requests at their deadlines), made no room the queue takes."""
     ac, clock = make()
-    for key in ("a", "b", "c"):
+    for key in ("a", "b", "c", "d"):
         assert ac.admit([key], [1], priority=0, needs=blocks(2)).admitted
     ac.started("a")
+    ac.started("d")
     clock.now += 4.0
-    ac.left("a")  # answered
-    ac.left("b")  # gave up while waiting
-    ac.left("a")  # a second report of the same end counts for nothing
-    clock.now += 2.0  # the start is out of the 5 s window, the finish is not
+    ac.left("a", answered=True)
+    ac.left("b", answered=True)  # gave up while waiting: never started
+    ac.left("a", answered=True)  # a second report of the same end counts for nothing
+    ac.left("d")  # timed out while running
+    clock.now += 2.0  # the starts are out of the 5 s window, the finish is not
     assert ac.trends.counts(0) == (0, 1)
     clock.now += 4.0
     assert ac.trends.counts(0) == (0, 0)
+
+
+def test_a_finish_is_served_for_the_best_priority_waiting():
+    """A batch answer's slot goes to the interactive request waiting: it is the interactive
+    queue that was served, not the batch one."""
+    ac, clock = make()
+    assert ac.admit(["b"], [1], priority=10, needs=blocks(2)).admitted
+    ac.started("b")
+    clock.now += 6.0  # the start is out of the window
+    assert ac.admit(["i"], [1], priority=0, needs=blocks(2)).admitted
+    ac.left("b", answered=True)
+    assert ac.trends.of(0).counts() == (1, 1)
+    assert ac.trends.of(10).counts() == (0, 0)

@@ -319,46 +319,54 @@ def test_a_closed_loop_on_a_slow_host_is_not_a_flood():
         assert not refused(trend, True)
 
 
+class ForwardClock(Clock):
+    """A clock that is only ever set forward."""
+
+    def set(self, at: float) -> None:
+        assert at >= self.now, (at, self.now)
+        self.now = at
+
+
 def closed_loop_in_waves(told_of_finishes: bool, seed: int) -> int:
     """24 clients on a replica that runs them all at once (its batch has room) but starts a
     newcomer only every 0.1-0.2 s (its prefills): the first wave a burst sent at once, each
-    answer about 10 s later, each client sending again as it is answered. How many of the
-    arrivals after the first wave it would refuse."""
-    clock = Clock()
+    answer about 10 s after its start, each client sending again 1 ms after it is answered.
+    How many of the arrivals after the first wave it would refuse (a wait past 0.5 s at the
+    prefills' pace)."""
+    clock = ForwardClock()
     trend = QueueTrend(TrendConfig(), clock)
     rng = random.Random(seed)
     pace = 1 / 0.15
     for i in range(24):
-        clock.now += 0.001
+        clock.set(clock.now + 0.001)
         trend.arrival(1, long=i >= 2, service_rate=None if i == 0 else pace)
-    starts = []
-    t = clock.now
-    for _ in range(24):
-        t += rng.uniform(0.1, 0.2)
-        starts.append(t)
-    refusals = 0
-    for _ in range(5):
-        events = [(s, "start") for s in starts]
-        ends = sorted(s + rng.uniform(9.5, 10.5) for s in starts)
-        events += [(e, "end") for e in ends]
-        # The next wave starts one at a time once its clients have sent again.
-        nxt, t = [], ends[0]
-        for e in ends:
-            t = max(t, e) + rng.uniform(0.1, 0.2)
-            nxt.append(t)
-        for at, what in sorted(events):
-            clock.now = at
-            if what == "start":
-                trend.start()
-            else:
-                if told_of_finishes:
-                    trend.finish()
-                # Those of the next wave sent by now that have not started, this one too.
-                waiting = sum(1 for e, s in zip(ends, nxt, strict=True) if e <= at < s)
-                clock.now = at + 0.001
-                trend.arrival(1, long=waiting * 0.15 > 0.5, service_rate=pace)
-                refusals += refused(trend, waiting * 0.15 > 0.5)
-        starts = nxt
+    events: list[tuple[float, str]] = []
+    arrivals = [clock.now] * 24
+    last_start = clock.now
+    for _ in range(6):
+        starts = []
+        for at in sorted(arrivals):
+            last_start = max(last_start, at) + rng.uniform(0.1, 0.2)
+            starts.append(last_start)
+        events += [(t, "start") for t in starts]
+        arrivals = [t + rng.uniform(9.5, 10.5) for t in starts]
+        events += [(t, "end") for t in arrivals]
+        arrivals = [t + 0.001 for t in arrivals]
+        events += [(t, "arrival") for t in arrivals]
+    refusals = sent = started = 0
+    for at, what in sorted(events):
+        clock.set(at)
+        if what == "start":
+            trend.start()
+            started += 1
+        elif what == "end":
+            if told_of_finishes:
+                trend.finish()
+        else:
+            sent += 1
+            long = (24 + sent - started) * 0.15 > 0.5  # the wait behind those not started
+            trend.arrival(1, long=long, service_rate=pace)
+            refusals += refused(trend, long)
     return refusals
 
 
@@ -373,7 +381,8 @@ def test_a_closed_loop_whose_answers_end_in_waves_is_not_a_flood():
 
 def test_finishes_do_not_hide_a_flood():
     """A full batch under a flood: each start follows a finish, and three times as many
-    arrive; the queue fills as it did when starts alone were counted."""
+    arrive; the queue fills as it did when starts alone were counted. Served is the larger of
+    starts and finishes, not their sum."""
     clock = Clock()
     trend = QueueTrend(TrendConfig(), clock)
     for k in range(300):
@@ -384,3 +393,37 @@ def test_finishes_do_not_hide_a_flood():
             trend.start()
         if k > 60:
             assert refused(trend, True)
+    arrived, served = trend.counts()
+    assert 149 <= arrived <= 151 and abs(served - arrived / 3) <= 1
+
+
+def test_finishes_count_only_while_there_is_room():
+    """A pool that shrinks under a fault ends its requests faster than it starts new ones:
+    without room, what ended is no room made, and the flood still fills the queue."""
+    clock = Clock()
+    trend = QueueTrend(TrendConfig(), clock)
+    for k in range(150):
+        clock.now += 1 / 30
+        trend.arrival(1, long=True, service_rate=10.0)
+        trend.finish()  # as many end as arrive ...
+        if k % 3 == 0:
+            trend.start()  # ... and a third as many start
+    assert not trend.filling_past((), room=True)
+    assert trend.filling_past((), room=False)
+    assert trend.counts(room=False) == (150, 50)
+
+
+def test_a_better_prioritys_answers_ending_leave_a_batch_burst_a_burst():
+    """Interactive answers still ending (no interactive arrivals or starts any more) do not
+    make a batch job's burst the remainder of a better priority's traffic."""
+    clock = Clock()
+    trends = PriorityTrends(TrendConfig(), clock)
+    for _ in range(4):
+        trends.of(0).finish()
+        clock.now += 0.5
+    out = []
+    for i in range(32):
+        clock.now += 0.001
+        trends.of(10).arrival(1, long=i >= 2, service_rate=5.0, outranked=trends.outranked(10))
+        out.append(not trends.of(10).in_burst and trends.filling(10))
+    assert not trends.outranked(10) and trends.of(10).bursting and not any(out)
