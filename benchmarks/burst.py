@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import subprocess
@@ -133,7 +134,7 @@ async def closed_loop(url: str, model: str, args: argparse.Namespace) -> BurstRe
     work = workload_w1(32000, seed=7, n=max(256, 4 * args.concurrency))
     report = BurstReport(0, 0)
     http, client = _client(url, report)
-    items = iter(list(zip(work.prompts, work.output_lens, strict=True)) * 100)
+    items = itertools.cycle(list(zip(work.prompts, work.output_lens, strict=True)))
     t0 = time.perf_counter()
 
     async def user(i: int) -> None:
@@ -192,7 +193,7 @@ def main() -> int:
         url = f"http://127.0.0.1:{port}"
     reports = []
     try:
-        runs = [None] if args.closed_loop else range(args.bursts)
+        runs = [None] if args.closed_loop is not None else range(args.bursts)
         for i in runs:
             if i is None:
                 r = asyncio.run(closed_loop(url, name, args))

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 from pathlib import Path
 
 from poise.bench.command import format_success
 from poise.bench.report import Stats
 from poise.bench.workload import Lengths
-from poise.chaos.capacity import CLIENTS_PER_REPLICA, LOAD_SHARE
+from poise.chaos.capacity import CLIENTS_PER_REPLICA, LOAD_SHARE, MIN_RATE, CapacityError
 from poise.chaos.report import ChaosReport, Counts
 from poise.chaos.runner import Setup, measure_capacity, run_scenario
 from poise.chaos.scenarios import SCENARIOS, ChaosError, Plan
@@ -41,7 +42,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument(
         "--rate",
         type=float,
-        help=f"steady requests per second (default: {LOAD_SHARE:g} of the capacity)",
+        help=f"steady requests per second (default: {LOAD_SHARE:g} of the capacity, at least "
+        f"{MIN_RATE:g} where that is no more than half of it)",
     )
     p.add_argument(
         "--capacity",
@@ -73,7 +75,14 @@ def main(args: argparse.Namespace) -> int:
         raise SystemExit(
             f"error: unknown scenario(s) {', '.join(unknown)}; know {', '.join(SCENARIOS)}"
         )
-    plan = _plan(args)
+    if args.gateway is None and args.model is None:
+        raise SystemExit("error: give --model (a local deployment) or --gateway URL")
+    local = [n for n in names if SCENARIOS[n].local_only]
+    if args.gateway is not None and local:
+        raise SystemExit(
+            f"error: {', '.join(local)} need(s) a deployment poise chaos starts (--model)"
+        )
+    plan = _plan(args, names)
     reports: list[ChaosReport] = []
     for name in names:
         setup = _setup(args, name)
@@ -111,26 +120,48 @@ def _setup(args: argparse.Namespace, name: str) -> Setup:
     )
 
 
-def _plan(args: argparse.Namespace) -> Plan:
-    """The run's plan; its capacity measured first unless given (see ``chaos.capacity``)."""
+def _plan(args: argparse.Namespace, names: list[str]) -> Plan:
+    """The run's plan: its capacity measured first where it is not given and something needs
+    it (the steady rate left out, or a flood; see ``chaos.capacity``)."""
     lengths = (Lengths.parse(args.prompt_len), Lengths.parse(args.output_len))
-    capacity, measured = args.capacity, args.capacity is None
-    if capacity is None:
-        try:
-            found = measure_capacity(_setup(args, "capacity"), lengths, print)
-        except (ChaosError, ValueError) as exc:
-            raise SystemExit(f"error: capacity: {exc}") from None
-        capacity = found.rps
-        print(
-            f"capacity: {found.rps:.2f} req/s ({found.events_per_s:.0f} tokens/s, "
-            f"{found.events_per_answer:.0f} per answer, {found.answers} answers, "
-            f"{found.refused} refused)",
-            flush=True,
+    capacity = args.capacity
+    measured = capacity is None and (args.rate is None or "flood" in names)
+    if measured:
+        capacity = _measured(args, lengths)
+    if args.rate is not None:
+        rate = args.rate
+    else:
+        assert capacity is not None
+        rate = steady_rate(capacity)
+    told = "not needed" if capacity is None else f"{capacity:.2f} req/s"
+    print(f"steady load: {rate:.2f} req/s; capacity {told}"
+          f"{' (measured)' if measured else ''}", flush=True)  # fmt: skip
+    plan = Plan.of(args.duration, rate, capacity or 0.0, *lengths)
+    return replace(plan, capacity_measured=measured)
+
+
+def steady_rate(capacity: float) -> float:
+    """``LOAD_SHARE`` of the capacity, and at least ``MIN_RATE`` where that is no more than
+    half of it: MTTR is judged on 2 s windows of the steady requests, and windows of one
+    request or none say little."""
+    return max(LOAD_SHARE * capacity, min(MIN_RATE, capacity / 2))
+
+
+def _measured(args: argparse.Namespace, lengths: tuple[Lengths, Lengths]) -> float:
+    try:
+        found = measure_capacity(
+            _setup(args, "capacity"), lengths, lambda line: print(line, flush=True)
         )
-    rate = LOAD_SHARE * capacity if args.rate is None else args.rate
-    print(f"steady load: {rate:.2f} req/s; capacity {capacity:.2f} req/s "
-          f"({'measured' if measured else 'given'})", flush=True)  # fmt: skip
-    return Plan.of(args.duration, rate, capacity, *lengths, capacity_measured=measured)
+    except (ChaosError, CapacityError) as exc:
+        raise SystemExit(f"error: capacity: {exc}") from None
+    refused = f", {found.refused} refused: the gateway sheds a closed loop" if found.refused else ""
+    print(
+        f"capacity: {found.rps:.2f} req/s ({found.events_per_s:.0f} tokens/s over "
+        f"{found.window_s:.0f}s, {found.events_per_answer:.0f} per answer, {found.answers} "
+        f"answers{refused})",
+        flush=True,
+    )
+    return found.rps
 
 
 def _s(v: float | None, none: str = "-") -> str:

@@ -134,11 +134,13 @@ def measure_capacity(
         raise ChaosError("give --model (a local deployment) or --gateway URL")
 
     def on(deployed: _Deployed) -> cap.Capacity:
-        _wait_routable(deployed, len(deployed.replica_urls), None)
-        clients = cap.CLIENTS_PER_REPLICA * max(1, len(deployed.replica_urls))
-        calibration = cap.Calibration(clients)
-        log(f"measuring capacity: {clients} clients in a closed loop for "
-            f"{calibration.warm_s + calibration.window_s:g}s")  # fmt: skip
+        # A remote gateway's replicas are counted from its /debug/state where not listed (one,
+        # for a gateway that is not poise's).
+        routed = _wait_routable(deployed, len(deployed.replica_urls), None)
+        replicas = max(1, len(deployed.replica_urls), routed)
+        calibration = cap.Calibration(cap.CLIENTS_PER_REPLICA * replicas)
+        log(f"measuring capacity: {calibration.clients} clients ({replicas} replica(s)) in a "
+            f"closed loop for {calibration.warm_s + calibration.window_s:g}s")  # fmt: skip
 
         async def run() -> cap.Capacity:
             await _warm(deployed.gateway_url, setup.model_name, None)
@@ -150,6 +152,7 @@ def measure_capacity(
         urls = list(setup.replica_urls)
         return on(_Deployed(setup.gateway_url, urls, RemoteHarness(urls)))
     work = setup.work_dir or Path(tempfile.mkdtemp(prefix="poise-chaos-"))
+    work.mkdir(parents=True, exist_ok=True)
     with _local(_CALIBRATION, setup, work, log) as local:
         return on(local)
 
@@ -206,10 +209,11 @@ def _local(
             deployment.stop()
 
 
-def _wait_routable(deployed: _Deployed, replicas: int, api_key: str | None) -> None:
+def _wait_routable(deployed: _Deployed, replicas: int, api_key: str | None) -> int:
     """Until the gateway routes to every replica (or to something, remote without URLs), each
     seen serving by an active check: a listed backend is trusted before its first check, and
-    load sent to a replica still loading its model fails and gets it ejected."""
+    load sent to a replica still loading its model fails and gets it ejected. Returns how
+    many it routes to (0: not a poise gateway)."""
     headers = auth_headers(api_key)
     end = time.monotonic() + 180
     while time.monotonic() < end:
@@ -222,10 +226,10 @@ def _wait_routable(deployed: _Deployed, replicas: int, api_key: str | None) -> N
                 for m in state["models"].values()
             )
             if eligible >= max(1, replicas):
-                return
+                return eligible
         except (httpx.HTTPError, ValueError, KeyError, TypeError):
             if not replicas:
-                return  # not a poise gateway: the warm-up requests will show if it is down
+                return 0  # not a poise gateway: the warm-up requests will show if it is down
         time.sleep(0.25)
     raise ChaosError(f"the gateway at {deployed.gateway_url} did not route to every replica")
 

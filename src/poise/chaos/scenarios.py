@@ -73,7 +73,6 @@ class Plan:
         capacity: float,
         prompt_len: Lengths | None = None,
         output_len: Lengths | None = None,
-        capacity_measured: bool = False,
     ) -> Plan:
         """The fault a third of the way in, held for a third: steady, hurt, after."""
         return cls(
@@ -84,7 +83,6 @@ class Plan:
             prompt_len=prompt_len or Lengths(24),
             output_len=output_len or Lengths(128),
             capacity=capacity,
-            capacity_measured=capacity_measured,
         )
 
     @property
