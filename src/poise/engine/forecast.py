@@ -96,11 +96,6 @@ class SlotForecast:
             return 0
         return len(self.running_priorities) - bisect.bisect_right(self.running_priorities, priority)
 
-    def room_now(self, blocks: int) -> bool:
-        """Whether a request of ``blocks`` has a running slot now (a free one, or one a
-        growing cap opens) and fits the pool: what ended has left room to take."""
-        return self.free_slots + self.growth_slots > 0 and self.fits_now(blocks)
-
     def fits_now(self, blocks: int) -> bool:
         """Whether a request of ``blocks`` fits the headroom now, with what it must leave for
         others, blocks and running slots (as the scheduler starts it)."""

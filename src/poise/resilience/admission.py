@@ -106,10 +106,6 @@ class Forecast(Protocol):
         running slots a large request must leave to others go."""
         ...
 
-    def room_now(self, blocks: int) -> bool:
-        """Whether a request of ``blocks`` has a running slot now and fits the pool."""
-        ...
-
     def fit_together(self, blocks: int, retaken: bool = True) -> int:
         """How many requests of ``blocks`` the pool holds at once, with what large requests
         leave to others (at least 1); ``retaken``: what the typical running requests give
@@ -381,8 +377,7 @@ class AdmissionController:
                     trend.withdraw(count)
                 return self._refuse("deadline", wait, wait)
         passed = self._passed(priority, max(t.blocks for t in tickets))
-        room = self.room_now()
-        if (long or big) and not trend.in_burst and self.trends.filling(priority, passed, room):
+        if (long or big) and not trend.in_burst and self.trends.filling(priority, passed):
             assert target is not None
             if not long:  # its size alone: the flood's largest go first
                 trend.withdraw(count)
@@ -393,15 +388,6 @@ class AdmissionController:
                 trend.withdraw(count)
             return replace(self._refuse("overloaded", wait, wait - target), sheds_priority=whole)
         return None
-
-    def room_now(self) -> bool:
-        """Whether a typical request would find a slot and blocks now: only then do the
-        requests that ended count as served (room made that the queue will take), not while
-        the pool shrinks under a fault or the running cap holds them back."""
-        if self.forecast is None:
-            return True
-        forecast = self.forecast()
-        return forecast.room_now(max(1, forecast.typical_footprint))
 
     def _passed(self, priority: int, own: int) -> list[float]:
         """When the waiting requests of this priority that one of ``own`` blocks would start

@@ -180,14 +180,12 @@ class QueueTrend:
     def filling(self) -> bool:
         return self.filling_past(())
 
-    def filling_past(self, passed: Sequence[float], room: bool = True) -> bool:
+    def filling_past(self, passed: Sequence[float]) -> bool:
         """Filling for a newcomer that will start past the requests that arrived at ``passed``
-        (waiting for room it does not need): their arrivals are left out. ``room``: a
-        newcomer would find a slot and blocks now; without, the requests that ended made no
-        room the queue takes, and only starts count as served."""
+        (waiting for room it does not need): their arrivals are left out."""
         now = self.clock()
         self._prune(now)
-        return self._filling_at(now, passed, room)
+        return self._filling_at(now, passed)
 
     @property
     def active(self) -> bool:
@@ -217,19 +215,18 @@ class QueueTrend:
     def last_arrival(self) -> float:
         return self._last_arrival
 
-    def counts(self, long: bool = False, room: bool = True) -> tuple[int, int]:
-        """(arrivals, served) counted over the last interval (``long``: the long one; ``room``:
-        see ``filling_past``)."""
+    def counts(self, long: bool = False) -> tuple[int, int]:
+        """(arrivals, served) counted over the last interval (``long``: the long one)."""
         self._prune(self.clock())
         horizon = self.config.long_interval_s if long else self.config.interval_s
-        return self._arrivals.count(horizon), self._served(horizon, room)
+        return self._arrivals.count(horizon), self._served(horizon)
 
-    def filling_over(self, room: bool = True) -> float | None:
+    def filling_over(self) -> float | None:
         """The interval over which the counts say the queue fills (the short one first), or
         None (it may still count as filling after a shed)."""
         now = self.clock()
         self._prune(now)
-        return self._filling_over(now, (), room)
+        return self._filling_over(now, ())
 
     @property
     def state(self) -> str:
@@ -263,38 +260,36 @@ class QueueTrend:
             return float(c.slack)
         return max(1.0, min(float(c.slack), c.slack_s * self._service_rate))
 
-    def _filling_at(self, now: float, passed: Sequence[float] = (), room: bool = True) -> bool:
-        return now < self._shedding_until or self._filling_over(now, passed, room) is not None
+    def _filling_at(self, now: float, passed: Sequence[float] = ()) -> bool:
+        return now < self._shedding_until or self._filling_over(now, passed) is not None
 
-    def _filling_over(self, now: float, passed: Sequence[float], room: bool = True) -> float | None:
+    def _filling_over(self, now: float, passed: Sequence[float]) -> float | None:
         """The window whose counts say the queue fills: the short one; else the long one,
         while the short one still holds more arrivals than served (a flood that is over
         leaves no hangover)."""
         short, long = self.config.interval_s, self.config.long_interval_s
-        excess = self._excess(now, short, passed, room)
-        if excess > self._allowed(short, room):
+        excess = self._excess(now, short, passed)
+        if excess > self._allowed(short):
             return short
-        if excess > 0 and self._excess(now, long, passed, room) > self._allowed(long, room):
+        if excess > 0 and self._excess(now, long, passed) > self._allowed(long):
             return long
         return None
 
-    def _allowed(self, horizon: float, room: bool) -> float:
+    def _allowed(self, horizon: float) -> float:
         """How far arrivals may outnumber those served over ``horizon`` before the queue
         fills: the slack plus the margin of the served."""
-        return self._slack() + self.config.margin * self._served(horizon, room)
+        return self._slack() + self.config.margin * self._served(horizon)
 
-    def _served(self, horizon: float, room: bool = True) -> int:
-        """Starts over ``horizon``, or, while there is room, finishes where more finished: a
-        batch that shrank made room its queue will take, however slowly the newcomers'
-        prefills start."""
-        starts = self._starts.count(horizon)
-        return max(starts, self._finishes.count(horizon)) if room else starts
+    def _served(self, horizon: float) -> int:
+        """Starts over ``horizon``, or answers where more ended: a batch that shrank made
+        room its queue will take, however slowly the newcomers' prefills start."""
+        return max(self._starts.count(horizon), self._finishes.count(horizon))
 
-    def _excess(self, now: float, horizon: float, passed: Sequence[float], room: bool) -> int:
+    def _excess(self, now: float, horizon: float, passed: Sequence[float]) -> int:
         """Arrivals over those served in the last ``horizon``, less arrivals at ``passed``."""
         since = now - horizon
         arrivals = self._arrivals.count(horizon) - sum(1 for t in passed if t > since)
-        return arrivals - self._served(horizon, room)
+        return arrivals - self._served(horizon)
 
     def _prune(self, now: float) -> None:
         self._arrivals.prune(now)
@@ -379,32 +374,27 @@ class PriorityTrends:
         answers ending take nothing from this one)."""
         return any(p < priority and t.active for p, t in self._trends.items())
 
-    def filling(self, priority: int, passed: Sequence[float] = (), room: bool = True) -> bool:
+    def filling(self, priority: int, passed: Sequence[float] = ()) -> bool:
         """Whether the queue a newcomer of this priority joins fills: its own priority's, left
-        out the arrivals (at ``passed``) it will start past, or a better one's (``room``: see
-        ``QueueTrend.filling_past``)."""
+        out the arrivals (at ``passed``) it will start past, or a better one's."""
         return any(
-            t.filling_past(passed if p == priority else (), room)
+            t.filling_past(passed if p == priority else ())
             for p, t in self._trends.items()
             if p <= priority
         )
 
-    def counts(
-        self, priority: int | None = None, long: bool = False, room: bool = True
-    ) -> tuple[int, int]:
+    def counts(self, priority: int | None = None, long: bool = False) -> tuple[int, int]:
         """(arrivals, served: see ``QueueTrend.counts``) of this priority and better (None:
         of all) over the last interval (``long``: the long one)."""
         pairs = [
-            t.counts(long, room)
-            for p, t in self._trends.items()
-            if priority is None or p <= priority
+            t.counts(long) for p, t in self._trends.items() if priority is None or p <= priority
         ]
         return sum(a for a, _ in pairs), sum(s for _, s in pairs)
 
-    def filling_over(self, priority: int, room: bool = True) -> float:
+    def filling_over(self, priority: int) -> float:
         """The interval over which this priority's queue (or a better one's) fills, for a
         refusal's message: the short one unless only the long one says so."""
-        found = [t.filling_over(room) for p, t in self._trends.items() if p <= priority]
+        found = [t.filling_over() for p, t in self._trends.items() if p <= priority]
         return min((h for h in found if h is not None), default=self.config.interval_s)
 
     @property

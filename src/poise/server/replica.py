@@ -353,10 +353,9 @@ class Replica:
     def _refusal_message(self, reason: str, wait: float, priority: int, run_s: float) -> str:
         waiting = len(self.admission.waiting)
         if reason == "overloaded":
-            room = self.admission.room_now()
-            over = self.admission.trends.filling_over(priority, room)
+            over = self.admission.trends.filling_over(priority)
             long = over > self.admission.config.trend.interval_s
-            arrived, served = self.admission.trends.counts(priority, long, room)
+            arrived, served = self.admission.trends.counts(priority, long)
             return (
                 f"the server is overloaded: {arrived} requests of priority {priority} or better "
                 f"arrived and {served} started (or finished, where more did) "

@@ -44,9 +44,6 @@ class FakeForecast:
     def fits_now(self, blocks: int) -> bool:
         return blocks <= self.kv_headroom_blocks
 
-    def room_now(self, blocks: int) -> bool:
-        return self.fits_now(blocks)
-
     def fit_together(self, blocks: int, retaken: bool = True) -> int:
         return self.together if retaken else self.together_drained
 

@@ -397,22 +397,6 @@ def test_finishes_do_not_hide_a_flood():
     assert 149 <= arrived <= 151 and abs(served - arrived / 3) <= 1
 
 
-def test_finishes_count_only_while_there_is_room():
-    """A pool that shrinks under a fault ends its requests faster than it starts new ones:
-    without room, what ended is no room made, and the flood still fills the queue."""
-    clock = Clock()
-    trend = QueueTrend(TrendConfig(), clock)
-    for k in range(150):
-        clock.now += 1 / 30
-        trend.arrival(1, long=True, service_rate=10.0)
-        trend.finish()  # as many end as arrive ...
-        if k % 3 == 0:
-            trend.start()  # ... and a third as many start
-    assert not trend.filling_past((), room=True)
-    assert trend.filling_past((), room=False)
-    assert trend.counts(room=False) == (150, 50)
-
-
 def test_a_better_prioritys_answers_ending_leave_a_batch_burst_a_burst():
     """Interactive answers still ending (no interactive arrivals or starts any more) do not
     make a batch job's burst the remainder of a better priority's traffic."""
