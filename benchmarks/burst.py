@@ -193,14 +193,15 @@ def main() -> int:
         url = f"http://127.0.0.1:{port}"
     reports = []
     try:
-        runs = [None] if args.closed_loop is not None else range(args.bursts)
-        for i in runs:
-            if i is None:
-                r = asyncio.run(closed_loop(url, name, args))
-            else:
-                r = asyncio.run(one_burst(url, name, i + 1, seed=i, concurrency=args.concurrency))
+        runs = [("closed loop", lambda: closed_loop(url, name, args))]
+        if args.closed_loop is None:
+            runs = [
+                (f"burst {i + 1}", lambda i=i: one_burst(url, name, i + 1, i, args.concurrency))
+                for i in range(args.bursts)
+            ]
+        for what, run in runs:
+            r = asyncio.run(run())
             reports.append(r)
-            what = "closed loop" if i is None else f"burst {r.burst}"
             print(
                 f"{what}: {r.completed}/{r.sent} completed, {r.failed} failed, "
                 f"{r.refusals_seen} refusals seen, {r.seconds:.1f}s, "

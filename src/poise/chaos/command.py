@@ -87,9 +87,7 @@ def main(args: argparse.Namespace) -> int:
     for name in names:
         setup = _setup(args, name)
         try:
-            report = run_scenario(
-                SCENARIOS[name], plan, setup, lambda line: print(line, flush=True)
-            )
+            report = run_scenario(SCENARIOS[name], plan, setup, _log)
         except ChaosError as exc:
             raise SystemExit(f"error: {name}: {exc}") from None
         reports.append(report)
@@ -104,6 +102,10 @@ def main(args: argparse.Namespace) -> int:
         args.json.write_text(json.dumps([r.as_dict() for r in reports], indent=1))
         print(f"report: {args.json}")
     return 0 if all(r.passed for r in reports) else 1
+
+
+def _log(line: str) -> None:
+    print(line, flush=True)
 
 
 def _setup(args: argparse.Namespace, name: str) -> Setup:
@@ -149,9 +151,7 @@ def steady_rate(capacity: float) -> float:
 
 def _measured(args: argparse.Namespace, lengths: tuple[Lengths, Lengths]) -> float:
     try:
-        found = measure_capacity(
-            _setup(args, "capacity"), lengths, lambda line: print(line, flush=True)
-        )
+        found = measure_capacity(_setup(args, "capacity"), lengths, _log)
     except (ChaosError, CapacityError) as exc:
         raise SystemExit(f"error: capacity: {exc}") from None
     refused = f", {found.refused} refused: the gateway sheds a closed loop" if found.refused else ""
