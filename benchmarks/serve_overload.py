@@ -19,6 +19,11 @@
    (it ignores what admitting a refused request costs those behind it; refusals with no
    request admitted within 2 s are not judged).
 
+Each request carries its SLO as the Kubernetes Gateway API Inference Extension's headers
+(``x-slo-ttft-ms: 1000``, ``x-slo-tpot-ms: 100``), as a client with an objective tells a
+server; poise refuses at once what it predicts would miss them, vLLM ignores them.
+``--no-slo-headers`` sends none: poise then judges requests by its own queue target alone.
+
 Prompts are 256 random token ids (no prefix-cache hits), outputs exactly 64 tokens
 (ignore_eos), streamed so TTFT and TPOT are measured at the client. Everything runs on loopback
 and stops by itself; the replica is started and stopped by pid.
@@ -49,6 +54,9 @@ ROOT = Path(__file__).resolve().parent.parent
 VLLM_PYTHON = ROOT / ".cache" / "vllm-venv" / "bin" / "python"
 TTFT_SLO_S = 1.0
 TPOT_SLO_S = 0.100
+# Sent on every request unless --no-slo-headers.
+SLO_HEADERS = {"x-slo-ttft-ms": f"{1000 * TTFT_SLO_S:g}", "x-slo-tpot-ms": f"{1000 * TPOT_SLO_S:g}"}
+_session_headers: dict[str, str] = dict(SLO_HEADERS)
 PROMPT_TOKENS = 256
 OUTPUT_TOKENS = 64
 
@@ -225,7 +233,8 @@ async def run_load(
     stop = asyncio.Event()
     connector = aiohttp.TCPConnector(limit=2000)
     timeout = aiohttp.ClientTimeout(total=300.0)
-    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as client:
+    session = aiohttp.ClientSession(connector=connector, timeout=timeout, headers=_session_headers)
+    async with session as client:
         prober = asyncio.create_task(probe_loop(url, stop, probes)) if probe else None
         lags: list[float] = []
         lagger = asyncio.create_task(loop_lag(stop, lags))
@@ -491,7 +500,14 @@ def main() -> int:
     )
     ap.add_argument("--mults", default="1,2,3", help="overload multiples of the capacity")
     ap.add_argument("--json", type=Path)
+    ap.add_argument(
+        "--no-slo-headers",
+        action="store_true",
+        help="send no x-slo-ttft-ms / x-slo-tpot-ms (the SLO is then the client's secret)",
+    )
     args = ap.parse_args()
+    if args.no_slo_headers:
+        _session_headers.clear()
     if not Path(args.model).exists():
         print(f"no model at {args.model}; make it with: poise make-model {args.model} --size w0")
         return 2

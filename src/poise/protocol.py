@@ -12,6 +12,7 @@ OpenAI refuses it, rather than ignored as vLLM does: a client that sets ``logit_
 from __future__ import annotations
 
 import json
+import math
 import time
 import uuid
 from typing import Any, Literal
@@ -71,6 +72,12 @@ class APIError(Exception):
 
 
 DEADLINE_HEADER = "x-request-deadline-ms"
+# A request's own latency objectives, as the Kubernetes Gateway API Inference Extension's
+# latency-aware scheduling names them: its first token within this many milliseconds of being
+# sent, and each next token within this many. A poise replica refuses at once (429) what it
+# predicts it cannot serve within them; a gateway passes on what is left of the first.
+TTFT_SLO_HEADER = "x-slo-ttft-ms"
+TPOT_SLO_HEADER = "x-slo-tpot-ms"
 # On a gateway's answer: how many upstream attempts it took (Envoy: x-envoy-attempt-count).
 ATTEMPT_COUNT_HEADER = "x-poise-attempt-count"
 # Asks a poise replica to put a note before each streamed event: the event's new token ids and
@@ -116,6 +123,20 @@ def deadline_budget_s(header_ms: str | None) -> float | None:
         ) from None
     if not 0 < ms <= _MAX_DEADLINE_MS:
         raise APIError(400, "X-Request-Deadline-Ms must be positive", param="X-Request-Deadline-Ms")
+    return ms / 1000.0
+
+
+def objective_s(header: str, value: str | None) -> float | None:
+    """Seconds a latency objective header (``TTFT_SLO_HEADER``, ``TPOT_SLO_HEADER``) allows;
+    None when absent; a 400 naming the header when it is no positive number of ms."""
+    if value is None:
+        return None
+    try:
+        ms = float(value)
+    except ValueError:
+        ms = math.nan
+    if not 0 < ms <= _MAX_DEADLINE_MS:  # nan fails too
+        raise APIError(400, f"{header} must be a positive number of milliseconds", param=header)
     return ms / 1000.0
 
 

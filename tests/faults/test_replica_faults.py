@@ -120,6 +120,36 @@ def test_slo_aware_admission_refuses_what_cannot_start_in_time(start_server):
         assert all(f.result().status_code == 200 for f in backlog)
 
 
+def test_a_request_s_own_latency_objective_is_judged_at_admission(start_server):
+    # One slot, held by a stream of 60 steps of at least 50 ms: a newcomer starts in seconds.
+    server = start_server("--max-num-seqs", "1")
+    server.faults(step_delay_s=0.05)
+    running = {"prompt": "hello", "max_tokens": 60, "ignore_eos": True, "stream": True}
+    body = {"prompt": "hello", "max_tokens": 4, "ignore_eos": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=running, timeout=60) as stream:
+        lines = stream.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))  # it runs
+        late = post(server, body, **{"x-slo-ttft-ms": "500"})
+        assert late.status_code == 429, late.text
+        error = late.json()["error"]
+        assert error["code"] == "slo_ttft" and "x-slo-ttft-ms" in error["message"]
+        assert int(late.headers["retry-after"]) >= 2  # when it would have met it
+        slow = post(server, body, **{"x-slo-tpot-ms": "10"})
+        assert slow.status_code == 429 and slow.json()["error"]["code"] == "slo_tpot"
+        bad = post(server, body, **{"x-slo-ttft-ms": "soon"})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "x-slo-ttft-ms"
+        # The same request without an objective, or with one it can meet, waits its turn.
+        with ThreadPoolExecutor(2) as pool:
+            plain = pool.submit(post, server, body)
+            patient = pool.submit(post, server, body, **{"x-slo-ttft-ms": "30000"})
+            list(lines)
+            assert plain.result().status_code == 200 and patient.result().status_code == 200
+    for reason in ("slo_ttft", "slo_tpot"):
+        rejected = f'poise_requests_rejected_total{{model_name="m",reason="{reason}"}}'
+        assert server.metric(rejected) == 1
+    assert server.wait_metric("vllm:num_requests_waiting", 0, timeout=3) == 0
+
+
 def test_stalled_engine_fails_health_then_recovers(start_server):
     server = start_server("--watchdog-stall-s", "1")
     server.faults(stall_s=4)

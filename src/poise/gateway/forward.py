@@ -36,7 +36,7 @@ import logging
 import math
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -54,7 +54,14 @@ from poise.gateway.upstream import (
     retry_after_s,
 )
 from poise.observability.tracing import Tracing
-from poise.protocol import DEADLINE_HEADER, SHEDDING_HEADER, APIError
+from poise.protocol import (
+    DEADLINE_HEADER,
+    SHEDDING_HEADER,
+    TPOT_SLO_HEADER,
+    TTFT_SLO_HEADER,
+    APIError,
+    objective_s,
+)
 from poise.resilience.breaker import Permit
 from poise.resilience.retry import RetryBudget, RetryPolicy
 
@@ -73,11 +80,30 @@ NOT_SERVING_CODES = frozenset({"draining", "loading"})
 # worse for now: the gateway refuses them itself for SHED_HOLD_S rather than forward a flood
 # only to carry its refusals back (see ``admission.PoolGate``).
 SHED_HOLD_S = 0.25
+# On the headers the gateway forwards (a client's ``x-poise-`` headers are never passed on):
+# when, on the gateway's clock, the request's first token is due by its ``x-slo-ttft-ms``,
+# counted from when the gateway received it. Each attempt sends the backend what is left of
+# it, so that time in the gateway's line and on a backend that refused it counts.
+FIRST_TOKEN_BY = "x-poise-first-token-by"
 FAILURE_STATUS = frozenset({500, 502, 503, 504})  # what counts against a backend's health
 # How long a broken stream waits for a backend other than the one it broke on to be eligible
 # (one marked down for a slow probe coming back, a restarted replica), and how often it looks.
 RESUME_WAIT_S = 3.0
 RESUME_LOOK_S = 0.1
+
+
+def objective_headers(client: Mapping[str, str], now: float) -> dict[str, str]:
+    """What the gateway forwards of a request's latency objective (``x-slo-ttft-ms``,
+    ``x-slo-tpot-ms``; a 400 naming one that is malformed): the first as ``FIRST_TOKEN_BY``."""
+    out = {}
+    first = objective_s(TTFT_SLO_HEADER, client.get(TTFT_SLO_HEADER))
+    if first is not None:
+        out[FIRST_TOKEN_BY] = repr(now + first)
+    per_token = client.get(TPOT_SLO_HEADER)
+    if objective_s(TPOT_SLO_HEADER, per_token) is not None:
+        assert per_token is not None
+        out[TPOT_SLO_HEADER] = per_token
+    return out
 
 
 @dataclass(slots=True)
@@ -310,6 +336,10 @@ class Forwarder:
         if backend.settings.model is not None and call.rename:
             body = _renamed(body, backend.settings.model)
         sent_headers = {**headers, DEADLINE_HEADER: str(max(1, int(left_s * 1000)))}
+        due = sent_headers.pop(FIRST_TOKEN_BY, None)
+        if due is not None:
+            first_left_s = float(due) - self.clock()
+            sent_headers[TTFT_SLO_HEADER] = str(max(1, int(first_left_s * 1000)))
         if backend.settings.api_key:
             sent_headers["authorization"] = f"Bearer {backend.settings.api_key}"
         t = self.timeouts

@@ -34,7 +34,7 @@ from fastapi.responses import Response
 from opentelemetry import trace
 
 from poise.asgi import CancelOnDisconnect, EventStreamResponse
-from poise.gateway.forward import Attempt, Call
+from poise.gateway.forward import Attempt, Call, objective_headers
 from poise.gateway.handling import (
     REQUEST_ID_HEADER,
     Charged,
@@ -128,12 +128,14 @@ async def _handle(
     require_model(gw, model)
     gw.autoscaling.arrived(model)
     deadline = gw.deadline(request)
+    objective = objective_headers(request.headers, gw.clock())
     charged = await charge(gw, key, model, _estimate(raw, data))
     priority, held = held_priority(key, data)
     if held is not None:
         data, raw = held, json.dumps(held).encode()
     record.priority = priority
     headers = _passed_headers(request.headers)
+    headers.update(objective)
     headers[REQUEST_ID_HEADER] = record.request_id
     headers["x-priority"] = str(priority)
     if span is not None:

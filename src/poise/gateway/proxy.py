@@ -30,7 +30,7 @@ from poise.gateway.continuation import (
     continued_body,
     with_stream_usage,
 )
-from poise.gateway.forward import Attempt, BodyFor
+from poise.gateway.forward import Attempt, BodyFor, objective_headers
 from poise.gateway.handling import (
     REQUEST_ID_HEADER,
     Gateway,
@@ -91,6 +91,7 @@ async def _handle(
     require_model(gw, model)
     gw.autoscaling.arrived(model)
     deadline = gw.deadline(request)
+    objective = objective_headers(request.headers, gw.clock())
     text = prompt_text(data)
     estimate = estimate_tokens(data, text)
     charged = await charge(gw, key, model, estimate)
@@ -101,6 +102,7 @@ async def _handle(
         "content-type": "application/json",
         REQUEST_ID_HEADER: record.request_id,
         "x-priority": str(priority),
+        **objective,
     }
     record.priority = priority
     if span is not None:

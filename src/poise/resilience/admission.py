@@ -101,6 +101,12 @@ class Forecast(Protocol):
         """The typical request's KV footprint, in blocks (0: not known)."""
         ...
 
+    @property
+    def step_s(self) -> float:
+        """The recent wall time of one busy step: a running request's time per token (0 while
+        nothing has run)."""
+        ...
+
     def fits_now(self, blocks: int) -> bool:
         """Whether a request of ``blocks`` would start now as far as the KV pool and the
         running slots a large request must leave to others go."""
@@ -129,6 +135,9 @@ class AdmissionConfig:
     # held against the target: the predictions' bias on this host, its own prefill included.
     error_window: int = 64
     error_quantile: float = 0.9
+    # A request's own first-token objective is held against its wait plus this quantile of the
+    # same errors: such a client counts misses, and a one-in-ten margin missed one in fifty.
+    objective_quantile: float = 0.99
 
     def __post_init__(self) -> None:
         if self.max_waiting_requests < 1 or self.max_waiting_tokens < 1:
@@ -137,6 +146,8 @@ class AdmissionConfig:
             raise ValueError("rate_window must be at least 1 and rate_max_age_s positive")
         if self.error_window < 1 or not 0 <= self.error_quantile <= 1:
             raise ValueError("error_window must be at least 1 and error_quantile in [0, 1]")
+        if not 0 <= self.objective_quantile <= 1:
+            raise ValueError("objective_quantile must be in [0, 1]")
         if self.queue_target_s is not None and self.queue_target_s < 0:
             raise ValueError("queue_target_s must not be negative")
 
@@ -148,6 +159,18 @@ class Need:
     blocks: int = 0  # the KV blocks it is projected to fill (0: not told)
     hold_s: float = 0.0  # how long it is expected to hold them: its output at today's step time
     exact: bool = False  # it runs to its max_tokens: hold_s is what it needs before its deadline
+
+
+@dataclass(frozen=True, slots=True)
+class Objective:
+    """A request's own latency objective (``x-slo-ttft-ms``, ``x-slo-tpot-ms``): its first
+    token by ``first_token_by`` (on the admission clock), each next one within
+    ``per_token_s``. Judged once, at admission: what is predicted to miss it is refused at once,
+    whether or not the queue fills, so that its client can go elsewhere; what is admitted runs
+    to its end."""
+
+    first_token_by: float | None = None
+    per_token_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,7 +195,7 @@ class Ticket:
 @dataclass(frozen=True, slots=True)
 class Decision:
     admitted: bool
-    reason: str | None  # queue_full, queue_tokens_full, deadline, overloaded
+    reason: str | None  # queue_full, queue_tokens_full, deadline, overloaded, slo_ttft, slo_tpot
     predicted_wait_s: float
     retry_after_s: float  # whole seconds, at least 1, when refused; 0 when admitted
     shed: tuple[str, ...] = ()  # keys of waiting requests dropped to make room
@@ -281,11 +304,12 @@ class AdmissionController:
         deadline: float | None = None,
         continuation: bool = False,
         needs: Sequence[Need] | None = None,
+        objective: Objective | None = None,
     ) -> Decision:
         """Admit a group (the n choices of one HTTP request) whole, or none of it.
 
         ``deadline``: when it must be done; one that runs to its max_tokens (``Need.exact``)
-        must start that long before it.
+        must start that long before it. ``objective``: its own latency objective.
 
         ``continuation``: the rest of a generation that was admitted elsewhere and lost its
         replica mid-stream. Its client already has its first token, so the predicted-wait
@@ -329,6 +353,8 @@ class AdmissionController:
             return Decision(True, None, wait, 0.0)
         if not continuation:
             refusal = self._judge_wait(tickets, wait, deadline, self._big(blocks, priority))
+            if refusal is None and objective is not None:
+                refusal = self._judge_objective(objective, wait, priority, len(tickets))
             if refusal is not None:
                 if refusal.sheds_priority:
                     self.trends.of(priority).shed()
@@ -389,6 +415,29 @@ class AdmissionController:
             return replace(self._refuse("overloaded", wait, wait - target), sheds_priority=whole)
         return None
 
+    def _judge_objective(
+        self, objective: Objective, wait: float, priority: int, count: int
+    ) -> Decision | None:
+        """The refusal a request predicted to miss its own objective earns, if any: its first
+        token later than asked (its wait, plus how far first tokens of its priority have lately
+        come after their predicted starts: their own prefill and the steps they share), or a
+        step time now longer than its time per token. Its arrival is withdrawn from the queue's
+        trend, as one refused for its own deadline is: the same request without its objective
+        would have been taken, so its refusal says nothing of whether the queue fills (counted,
+        two such refusals made the next request without one look like a flood's)."""
+        refusal = None
+        first_token = wait + self._error_quantile(priority, self.config.objective_quantile)
+        left = None if objective.first_token_by is None else objective.first_token_by - self.clock()
+        step_s = self.forecast().step_s if self.forecast is not None else 0.0
+        if left is not None and first_token > left:
+            refusal = self._refuse("slo_ttft", first_token, first_token - left)
+        elif objective.per_token_s is not None and step_s > objective.per_token_s:
+            refusal = self._refuse("slo_tpot", wait, 1.0)
+        trend = self.trends.of(priority)
+        if refusal is not None and not trend.bursting:  # a burst's members are not counted
+            trend.withdraw(count)
+        return refusal
+
     def _passed(self, priority: int, own: int) -> list[float]:
         """When the waiting requests of this priority that one of ``own`` blocks would start
         past arrived: larger than it and short of room in the pool now (the engine starts
@@ -441,11 +490,7 @@ class AdmissionController:
         ``error_quantile`` (at least 0; 0 until there are a few samples). Per priority: batch
         work that sits out steps for interactive work is late by design, and says nothing of
         the interactive predictions."""
-        errors = self._errors.get(priority, ())
-        if len(errors) < 8:
-            return 0.0
-        ordered = sorted(errors)
-        error = max(0.0, ordered[int(self.config.error_quantile * (len(ordered) - 1))])
+        error = self._error_quantile(priority)
         # Never past half the target: a request predicted to start within the other half is
         # not refused for its wait, whatever a bad spell taught (the queue is then short, and
         # what made waits run long is elsewhere: a pool short of blocks, a slow step).
@@ -466,6 +511,16 @@ class AdmissionController:
             return
         best = min((t.priority for t in self.waiting.values()), default=priority)
         self.trends.of(best).finish()
+
+    def _error_quantile(self, priority: int, quantile: float | None = None) -> float:
+        """How far waits of this priority ran past their predictions lately, at ``quantile``
+        (``error_quantile`` unless given), at least 0 (0 until there are a few samples)."""
+        errors = self._errors.get(priority, ())
+        if len(errors) < 8:
+            return 0.0
+        q = self.config.error_quantile if quantile is None else quantile
+        ordered = sorted(errors)
+        return max(0.0, ordered[int(q * (len(ordered) - 1))])
 
     @property
     def mean_start_interval_s(self) -> float | None:

@@ -20,7 +20,6 @@ from poise.engine.structured import GuidedDecoding
 from poise.observability.tracing import INPUT_TOKENS, RESPONSE_ID
 from poise.protocol import (
     CONTINUATION_HEADER,
-    DEADLINE_HEADER,
     STREAM_TOKENS_HEADER,
     APIError,
     ChatCompletionRequest,
@@ -30,7 +29,7 @@ from poise.protocol import (
 )
 from poise.server.access import RequestReport
 from poise.server.answers import Call, collect, stream_events
-from poise.server.replica import Prepared, Replica
+from poise.server.replica import Prepared, Replica, Terms
 from poise.server.structured_request import guided_for, logit_bias_for
 from poise.server.tool_calls import plan_tools, tool_guided
 
@@ -87,23 +86,26 @@ def _sampling(
         raise APIError(400, str(exc), param=exc.param) from exc
 
 
+def _terms(replica: Replica, body_priority: int | None, headers: Mapping[str, str]) -> Terms:
+    priority = priority_from(body_priority, headers.get("x-priority"))
+    return replica.terms_from(priority, headers, headers.get(CONTINUATION_HEADER) == "1")
+
+
 def _start(
     replica: Replica,
     prompts: list[str | list[int]],
     samplings: list[SamplingParams],
-    priority: int,
-    deadline: float | None,
+    terms: Terms,
     add_special_tokens: bool,
     resume: Resume | None = None,
-    continues: bool = False,
 ) -> list[Prepared]:
     replica.check_accepting()
-    group = replica.prepare(prompts, samplings, priority, deadline, add_special_tokens, resume)
+    group = replica.prepare(prompts, samplings, terms, add_special_tokens, resume)
     # Only a resume that carries generated tokens continues anything (an empty one is a fresh
     # request under another name, and gets no pass); or the gateway's continuation of another
-    # engine's stream from its text (``continues``).
-    continuation = continues or (resume is not None and len(resume.token_ids) > 0)
-    replica.admit(group, priority, deadline, continuation=continuation)
+    # engine's stream from its text (``Terms.continues``).
+    continuation = terms.continues or (resume is not None and len(resume.token_ids) > 0)
+    replica.admit(group, terms, continuation=continuation)
     return group
 
 
@@ -239,11 +241,9 @@ def create_completion(
         for _ in prompts
         for j in range(body.n)
     ]
-    priority = priority_from(body.priority, headers.get("x-priority"))
-    deadline = replica.deadline_from(headers.get(DEADLINE_HEADER))
     resume = _resume(body, len(expanded))
-    continues = headers.get(CONTINUATION_HEADER) == "1"
-    group = _start(replica, expanded, samplings, priority, deadline, True, resume, continues)
+    terms = _terms(replica, body.priority, headers)
+    group = _start(replica, expanded, samplings, terms, True, resume)
     call = _call(replica, group, body, False, model, headers)
     include = bool(body.stream_options and body.stream_options.include_usage)
     tokenizer = replica.engine.tokenizer
@@ -305,14 +305,10 @@ def create_chat_completion(
         raise APIError(400, str(exc), param=exc.param) from exc
     guided = guided_for(body, forced)
     samplings = [_sampling(body, max_tokens, logprobs, j, defaults, guided) for j in range(body.n)]
-    priority = priority_from(body.priority, headers.get("x-priority"))
-    deadline = replica.deadline_from(headers.get(DEADLINE_HEADER))
     resume = _resume(body, body.n)
+    terms = _terms(replica, body.priority, headers)
     # The template writes the special tokens itself.
-    continues = headers.get(CONTINUATION_HEADER) == "1"
-    group = _start(
-        replica, [prompt] * body.n, samplings, priority, deadline, False, resume, continues
-    )
+    group = _start(replica, [prompt] * body.n, samplings, terms, False, resume)
     call = _call(replica, group, body, True, model, headers)
     call.tools = plan if plan is not None and plan.mode != "none" else None
     include = bool(body.stream_options and body.stream_options.include_usage)

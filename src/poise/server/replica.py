@@ -13,7 +13,7 @@ import asyncio
 import enum
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,8 +23,16 @@ from poise.engine.errors import CANNOT_FINISH, EngineDeadError, InvalidRequestEr
 from poise.engine.intake import RequestOptions, Resume
 from poise.engine.outputs import RequestOutput
 from poise.engine.request import Request, SamplingParams
-from poise.protocol import SHEDDING_HEADER, APIError, deadline_budget_s
-from poise.resilience.admission import AdmissionConfig, AdmissionController, Need
+from poise.protocol import (
+    DEADLINE_HEADER,
+    SHEDDING_HEADER,
+    TPOT_SLO_HEADER,
+    TTFT_SLO_HEADER,
+    APIError,
+    deadline_budget_s,
+    objective_s,
+)
+from poise.resilience.admission import AdmissionConfig, AdmissionController, Need, Objective
 from poise.resilience.queue_trend import TrendConfig
 from poise.server.access import RequestReport
 from poise.server.metrics import EngineSnapshot, ServerMetrics
@@ -46,6 +54,19 @@ class Prepared:
     request: Request
     text: str | None
     report: RequestReport | None = None  # told the engine's timings when it finishes
+
+
+@dataclass(frozen=True, slots=True)
+class Terms:
+    """What a request asks of its service besides its body: its priority; when it must be done
+    (``X-Request-Deadline-Ms``, else the server's default timeout) and its latency objective
+    (``x-slo-ttft-ms``, ``x-slo-tpot-ms``), on the server's clock; ``continues``: the gateway's
+    continuation of a stream its client is already receiving."""
+
+    priority: int = 0
+    deadline: float | None = None
+    objective: Objective | None = None
+    continues: bool = False
 
 
 @dataclass(slots=True)
@@ -267,12 +288,22 @@ class Replica:
             budget = self.settings.default_timeout_s or None
         return None if budget is None else self.clock() + budget
 
+    def terms_from(self, priority: int, headers: Mapping[str, str], continues: bool) -> Terms:
+        """A request's ``Terms`` from its headers (a 400 naming one that is malformed)."""
+        first = objective_s(TTFT_SLO_HEADER, headers.get(TTFT_SLO_HEADER))
+        per_token = objective_s(TPOT_SLO_HEADER, headers.get(TPOT_SLO_HEADER))
+        objective = None
+        if first is not None or per_token is not None:
+            by = None if first is None else self.clock() + first
+            objective = Objective(by, per_token)
+        deadline = self.deadline_from(headers.get(DEADLINE_HEADER))
+        return Terms(priority, deadline, objective, continues)
+
     def prepare(
         self,
         prompts: list[str | list[int]],
         samplings: list[SamplingParams],
-        priority: int,
-        deadline: float | None,
+        terms: Terms,
         add_special_tokens: bool = True,
         resume: Resume | None = None,
     ) -> list[Prepared]:
@@ -284,8 +315,8 @@ class Replica:
                     prompt,
                     RequestOptions(
                         sampling,
-                        priority=priority,
-                        deadline=deadline,
+                        priority=terms.priority,
+                        deadline=terms.deadline,
                         add_special_tokens=add_special_tokens,
                         resume=resume,
                     ),
@@ -297,15 +328,11 @@ class Replica:
             raise APIError(503, str(exc), code="unhealthy") from exc
         return out
 
-    def admit(
-        self,
-        group: list[Prepared],
-        priority: int,
-        deadline: float | None,
-        continuation: bool = False,
-    ) -> None:
+    def admit(self, group: list[Prepared], terms: Terms, continuation: bool = False) -> None:
         """Admit the whole group or raise 429; sheds lower-priority waiting work if it must.
-        A continuation (a resumed stream) skips the predicted-wait bounds, not the queue's."""
+        A continuation (a resumed stream) skips the predicted-wait bounds and its objective
+        (its client has its first token), not the queue's bounds."""
+        priority = terms.priority
         forecast = self.engine.stats.forecast
         requests = [p.request for p in group]
         needs = [
@@ -320,9 +347,10 @@ class Replica:
             [r.request_id for r in requests],
             [r.num_prompt_tokens for r in requests],
             priority,
-            deadline,
+            terms.deadline,
             continuation,
             needs,
+            terms.objective,
         )
         if not decision.admitted:
             reason = decision.reason or "overloaded"
@@ -331,7 +359,7 @@ class Replica:
             if decision.sheds_priority:
                 headers[SHEDDING_HEADER] = str(priority)
             run_s = max((n.hold_s for n in needs if n.exact), default=0.0)
-            message = self._refusal_message(reason, decision.predicted_wait_s, priority, run_s)
+            message = self._refusal_message(reason, decision.predicted_wait_s, terms, run_s)
             if decision.large:
                 message = (
                     "the server is overloaded, and this request wants more than twice the KV "
@@ -350,8 +378,20 @@ class Replica:
                 )
             self.engine.abort(key)
 
-    def _refusal_message(self, reason: str, wait: float, priority: int, run_s: float) -> str:
-        waiting = len(self.admission.waiting)
+    def _refusal_message(self, reason: str, wait: float, terms: Terms, run_s: float) -> str:
+        waiting, priority, objective = len(self.admission.waiting), terms.priority, terms.objective
+        if reason == "slo_ttft" and objective is not None and objective.first_token_by is not None:
+            left = max(0.0, objective.first_token_by - self.clock())
+            return (
+                f"the request's first token is predicted in {wait:.2f}s behind {waiting} "
+                f"waiting, later than its {TTFT_SLO_HEADER} allows ({left:.2f}s)"
+            )
+        if reason == "slo_tpot" and objective is not None and objective.per_token_s is not None:
+            step = self.engine.stats.forecast.step_s
+            return (
+                f"tokens come every {1000 * step:.0f} ms here now, slower than its "
+                f"{TPOT_SLO_HEADER} allows ({1000 * objective.per_token_s:g} ms)"
+            )
         if reason == "overloaded":
             over = self.admission.trends.filling_over(priority)
             long = over > self.admission.config.trend.interval_s

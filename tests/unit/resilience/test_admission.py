@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from poise.resilience.admission import AdmissionConfig, AdmissionController, Need
+from poise.resilience.admission import AdmissionConfig, AdmissionController, Need, Objective
 
 
 class Clock:
@@ -37,6 +37,7 @@ class FakeForecast:
         return 0 if priority is None else sum(1 for p in self.running if p > priority)
 
     typical_footprint = 0
+    step_s = 0.05
     kv_headroom_blocks = 1 << 30
     together = 1  # how many large requests the pool holds at once ...
     together_drained = 1  # ... and when no new typical requests take back what others free
@@ -612,3 +613,51 @@ def test_a_finish_is_served_for_the_best_priority_waiting():
     ac.left("b", answered=True)
     assert ac.trends.of(0).counts() == (1, 1)
     assert ac.trends.of(10).counts() == (0, 0)
+
+
+def _with_forecast(wait: float, **config) -> tuple[AdmissionController, Clock, FakeForecast]:
+    clock, forecast = Clock(), FakeForecast(wait)
+    return AdmissionController(AdmissionConfig(**config), clock, lambda: forecast), clock, forecast
+
+
+def test_a_request_predicted_to_miss_its_first_token_objective_is_refused_whatever_the_trend():
+    # A queue that drains (no flood) takes a request without an objective whatever its wait;
+    # one whose x-slo-ttft-ms the wait passes is refused at once, told when it would meet it.
+    ac, clock, _ = _with_forecast(2.4, queue_target_s=0.5)
+    refused = ac.admit(["hurried"], [1], objective=Objective(first_token_by=clock.now + 1.0))
+    assert not refused.admitted and refused.reason == "slo_ttft"
+    assert refused.retry_after_s == 2.0  # 2.4 s predicted, 1 s allowed
+    assert ac.admit(["patient"], [1], objective=Objective(first_token_by=clock.now + 3.0)).admitted
+    assert ac.admit(["plain"], [1]).admitted
+    # Its arrival is no demand on the queue the others join (the objective was its own).
+    assert ac.trends.counts(0) == (2, 0)
+    assert "hurried" not in ac.waiting
+
+
+def test_the_first_token_objective_counts_how_late_first_tokens_have_come():
+    # First tokens came 0.3 s after their predicted starts (their own prefill): an objective of
+    # 0.2 s cannot be met by an idle server, one of 0.4 s can.
+    ac, clock, _ = _with_forecast(0.0, queue_target_s=0.5)
+    for i in range(10):
+        assert ac.admit([f"k{i}"], [1]).admitted
+        clock.now += 0.3
+        ac.started(f"k{i}")
+        ac.left(f"k{i}", answered=True)
+    tight = ac.admit(["tight"], [1], objective=Objective(first_token_by=clock.now + 0.2))
+    assert tight.reason == "slo_ttft" and tight.predicted_wait_s == pytest.approx(0.3)
+    assert ac.admit(["loose"], [1], objective=Objective(first_token_by=clock.now + 0.4)).admitted
+
+
+def test_a_time_per_token_objective_slower_steps_cannot_meet_is_refused():
+    ac, _, forecast = _with_forecast(0.0)
+    forecast.step_s = 0.08
+    refused = ac.admit(["fast"], [1], objective=Objective(per_token_s=0.05))
+    assert refused.reason == "slo_tpot" and refused.retry_after_s == 1.0
+    assert ac.admit(["ok"], [1], objective=Objective(per_token_s=0.1)).admitted
+
+
+def test_a_continuation_is_not_judged_by_its_objective():
+    # Its client already has its first token: ending its stream would break what was taken on.
+    ac, clock, _ = _with_forecast(5.0)
+    hurried = Objective(first_token_by=clock.now + 0.1, per_token_s=0.001)
+    assert ac.admit(["resumed"], [1], continuation=True, objective=hurried).admitted
