@@ -69,6 +69,13 @@ class SlotForecast:
         kv = self.kv_wait_s(need, priority, own)
         return max(self._slot_wait_s(position, priority), kv)
 
+    @property
+    def busy_step_s(self) -> float:
+        """The recent step time while requests run; 0 while none does: the step time is then
+        that of a load gone (steps are not timed while idle), and a time-per-token objective
+        judged on it would be refused for as long as nothing runs to correct it."""
+        return self.step_s if self.release_steps else 0.0
+
     def committed_blocks(self, total: int, free: int) -> int:
         """Of a pool of ``total`` blocks with ``free`` free: what the running requests hold and
         will still take, every one counted at its projected end at once (not the headroom's

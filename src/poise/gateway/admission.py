@@ -98,11 +98,14 @@ class PoolGate:
         let_through = sum(n for p, n in self._admitted.items() if p <= priority)
         return let_through >= self.capacity()
 
-    async def enter(self, priority: int, deadline: float) -> None:
-        """Return when the request may go to the pool (then ``leave`` once it is done)."""
+    async def enter(self, priority: int, deadline: float, own_objective: bool = False) -> None:
+        """Return when the request may go to the pool (then ``leave`` once it is done).
+        ``own_objective``: it brings its own first-token objective, which poise replicas hold
+        it to instead of shedding its priority: it is not held back for their shedding."""
         eligible = self.pool.eligible()
         now = self.clock()
-        if self.hold_shedding and eligible and all(b.sheds(priority, now) for b in eligible):
+        shed = eligible and all(b.sheds(priority, now) for b in eligible)
+        if self.hold_shedding and not own_objective and shed:
             # Each refused this priority for load a moment ago: say so here, at once, rather
             # than forward a flood's requests only to carry their refusals back.
             raise self._refusal(

@@ -28,6 +28,9 @@ class RequestRecord:
     model: str | None = None
     key: str | None = None
     priority: int = 0
+    # It brought its own first-token objective (x-slo-ttft-ms): replicas hold it to that, not
+    # to their shedding of its priority.
+    own_objective: bool = False
     stream: bool = False
     status: int = 0
     outcome: str = "error"

@@ -20,6 +20,12 @@ seconds. So a long wait alone refuses nothing here. A newcomer is refused at onc
   is refused whatever its wait: under a flood the requests that want the most are shed
   first (the engine, for its part, makes them wait for room in the pool before the short
   ones);
+- it brings its own latency objective (``Objective``: ``x-slo-ttft-ms``, ``x-slo-tpot-ms``)
+  and is predicted to miss it: its first token later than asked, or steps slower than its time
+  per token. ``queue_target_s`` is the server's objective for requests that say none: one that
+  brings a first-token objective is held to that instead, filling queue or not, so a client
+  that accepts a wait of seconds (a batch job, an eval harness) is served behind a flood it can
+  wait out, and one that cannot is refused at once;
 - the queue's hard bounds (requests, prompt tokens) are reached and nothing of a lower priority
   waits that could be shed for it.
 
@@ -43,9 +49,9 @@ responsiveness. A newcomer's wait is at least how long the requests of each kind
 have gone without a start of their kind, so a stalled engine stops admitting instead of trusting
 an old, fast rate. Predictions err, mostly short (a request's own prefill is in its wait to the
 first token, and chunked prompts share steps), so the error measured on the last requests
-predicted near the target (its 90th percentile, at most half the target) is added to a
-newcomer's prediction before it is held against the target: the target holds on whatever host
-this runs.
+predicted near the target (its 90th percentile, at most half the target; none older than
+``rate_max_age_s``) is added to a newcomer's prediction before it is held against the target:
+the target holds on whatever host this runs.
 
 Priorities follow vLLM: lower values run first. A request is only queued behind those with a
 value at most its own, and the slot forecast counts the running requests of a lower priority as
@@ -102,9 +108,9 @@ class Forecast(Protocol):
         ...
 
     @property
-    def step_s(self) -> float:
-        """The recent wall time of one busy step: a running request's time per token (0 while
-        nothing has run)."""
+    def busy_step_s(self) -> float:
+        """The recent wall time of one step while requests run: their time per token (0 while
+        none runs)."""
         ...
 
     def fits_now(self, blocks: int) -> bool:
@@ -227,7 +233,7 @@ class AdmissionController:
             large: StartPace(config.rate_window, config.rate_max_age_s, clock)
             for large in (False, True)
         }
-        self._errors: dict[int, deque[float]] = {}  # by priority
+        self._errors: dict[int, deque[tuple[float, float]]] = {}  # (when, error) by priority
         self._last_typical_arrival: float | None = None
 
     # ----- what the server asks -----
@@ -352,7 +358,9 @@ class AdmissionController:
             self._enqueue(tickets)
             return Decision(True, None, wait, 0.0)
         if not continuation:
-            refusal = self._judge_wait(tickets, wait, deadline, self._big(blocks, priority))
+            own_first = objective is not None and objective.first_token_by is not None
+            big = self._big(blocks, priority)
+            refusal = self._judge_wait(tickets, wait, deadline, big, own_first)
             if refusal is None and objective is not None:
                 refusal = self._judge_objective(objective, wait, priority, len(tickets))
             if refusal is not None:
@@ -380,10 +388,12 @@ class AdmissionController:
         return Decision(True, None, wait, 0.0, tuple(t.key for t in shed))
 
     def _judge_wait(
-        self, tickets: list[Ticket], wait: float, deadline: float | None, big: bool
+        self, tickets: list[Ticket], wait: float, deadline: float | None, big: bool, own: bool
     ) -> Decision | None:
         """The refusal a newcomer's group (predicted to wait ``wait``; under a flood, ``big``
-        for its size) earns, if any (see the module's rules)."""
+        for its size) earns, if any (see the module's rules). ``own``: it brings its own
+        first-token objective, which it is held to instead of ``queue_target_s`` (the server's
+        objective for requests that say none): it is not refused for a wait it accepts."""
         count, priority = len(tickets), tickets[0].priority
         target = self.config.queue_target_s
         margin = self.wait_error(priority)
@@ -403,9 +413,10 @@ class AdmissionController:
                     trend.withdraw(count)
                 return self._refuse("deadline", wait, wait)
         passed = self._passed(priority, max(t.blocks for t in tickets))
-        if (long or big) and not trend.in_burst and self.trends.filling(priority, passed):
+        too_long = long and not own
+        if (too_long or big) and not trend.in_burst and self.trends.filling(priority, passed):
             assert target is not None
-            if not long:  # its size alone: the flood's largest go first
+            if not too_long:  # its size alone: the flood's largest go first
                 trend.withdraw(count)
                 return replace(self._refuse("overloaded", wait, 1.0), large=True)
             smallest = self.predicted_wait(priority)  # one request, of no blocks
@@ -421,20 +432,22 @@ class AdmissionController:
         """The refusal a request predicted to miss its own objective earns, if any: its first
         token later than asked (its wait, plus how far first tokens of its priority have lately
         come after their predicted starts: their own prefill and the steps they share), or a
-        step time now longer than its time per token. Its arrival is withdrawn from the queue's
-        trend, as one refused for its own deadline is: the same request without its objective
-        would have been taken, so its refusal says nothing of whether the queue fills (counted,
-        two such refusals made the next request without one look like a flood's)."""
+        step time now longer than its time per token. While the queue does not fill, its arrival
+        is withdrawn from the trend, as one refused for its own deadline is: the same request
+        without its objective would have been taken, so its refusal says nothing of whether the
+        queue fills (counted, two such refusals made the next request without one look like a
+        flood's)."""
         refusal = None
         first_token = wait + self._error_quantile(priority, self.config.objective_quantile)
         left = None if objective.first_token_by is None else objective.first_token_by - self.clock()
-        step_s = self.forecast().step_s if self.forecast is not None else 0.0
+        step_s = self.forecast().busy_step_s if self.forecast is not None else 0.0
         if left is not None and first_token > left:
             refusal = self._refuse("slo_ttft", first_token, first_token - left)
         elif objective.per_token_s is not None and step_s > objective.per_token_s:
             refusal = self._refuse("slo_tpot", wait, 1.0)
         trend = self.trends.of(priority)
-        if refusal is not None and not trend.bursting:  # a burst's members are not counted
+        # A burst's members are not counted; while the queue fills, it is demand as any other.
+        if refusal is not None and not trend.bursting and not self.trends.filling(priority):
             trend.withdraw(count)
         return refusal
 
@@ -480,7 +493,7 @@ class AdmissionController:
         error = now - ticket.arrival - ticket.predicted
         if ticket.teaches:
             self._errors.setdefault(ticket.priority, deque(maxlen=self.config.error_window))
-            self._errors[ticket.priority].append(error)
+            self._errors[ticket.priority].append((now, error))
         kind = ticket.large
         self._pace[kind].started(any(t.large == kind for t in self.waiting.values()))
         return error
@@ -514,8 +527,11 @@ class AdmissionController:
 
     def _error_quantile(self, priority: int, quantile: float | None = None) -> float:
         """How far waits of this priority ran past their predictions lately, at ``quantile``
-        (``error_quantile`` unless given), at least 0 (0 until there are a few samples)."""
-        errors = self._errors.get(priority, ())
+        (``error_quantile`` unless given), at least 0 (0 until there are a few samples). None
+        older than ``rate_max_age_s`` counts: what a slow spell taught would otherwise refuse
+        every request whose objective it fails, and refusals teach nothing new."""
+        since = self.clock() - self.config.rate_max_age_s
+        errors = [e for at, e in self._errors.get(priority, ()) if at >= since]
         if len(errors) < 8:
             return 0.0
         q = self.config.error_quantile if quantile is None else quantile

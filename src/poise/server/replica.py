@@ -387,7 +387,7 @@ class Replica:
                 f"waiting, later than its {TTFT_SLO_HEADER} allows ({left:.2f}s)"
             )
         if reason == "slo_tpot" and objective is not None and objective.per_token_s is not None:
-            step = self.engine.stats.forecast.step_s
+            step = self.engine.stats.forecast.busy_step_s
             return (
                 f"tokens come every {1000 * step:.0f} ms here now, slower than its "
                 f"{TPOT_SLO_HEADER} allows ({1000 * objective.per_token_s:g} ms)"

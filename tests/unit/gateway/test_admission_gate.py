@@ -165,3 +165,18 @@ async def test_batch_work_that_fills_the_pool_holds_no_better_priority_back():
     g.leave(10)
     await asyncio.wait_for(more_batch, 1)
     assert g.admitted == 2 and len(g.line) == 0
+
+
+async def test_a_request_with_its_own_first_token_objective_is_not_held_for_shedding():
+    # Every backend refused priority 0 for load twice: a request that says nothing is refused
+    # here; one that brings x-slo-ttft-ms goes on (its replica holds it to that objective).
+    clock = Clock()
+    g = gate(clock, 2)
+    for b in g.pool.backends:
+        b.note_shedding(0, clock.now, 0.25)
+        b.note_shedding(0, clock.now, 0.25)
+    with pytest.raises(APIError) as refused:
+        await g.enter(0, clock.now + 10)
+    assert refused.value.status == 429 and g.refusals == ["shedding"]  # type: ignore[attr-defined]
+    await g.enter(0, clock.now + 10, own_objective=True)
+    assert g.admitted == 1

@@ -37,7 +37,7 @@ class FakeForecast:
         return 0 if priority is None else sum(1 for p in self.running if p > priority)
 
     typical_footprint = 0
-    step_s = 0.05
+    busy_step_s = 0.05
     kv_headroom_blocks = 1 << 30
     together = 1  # how many large requests the pool holds at once ...
     together_drained = 1  # ... and when no new typical requests take back what others free
@@ -390,9 +390,9 @@ def test_the_error_margin_learns_per_priority_from_typical_requests_and_stays_un
     assert ac.wait_error(0) == pytest.approx(0.1)
     assert ac.wait_error(10) == 0.0  # batch work's lateness is its own
     for i in range(40):  # long waits: the margin stops at half the target
-        clock.now += 2.0
+        clock.now += 0.5
         ac.admit([f"c{i}"], [1], priority=0)
-        clock.now += 3.0
+        clock.now += 0.3
         ac.started(f"c{i}")
     assert ac.wait_error(0) == pytest.approx(0.2)
     # A request larger than the typical one (it waits for room by design) teaches nothing.
@@ -650,7 +650,7 @@ def test_the_first_token_objective_counts_how_late_first_tokens_have_come():
 
 def test_a_time_per_token_objective_slower_steps_cannot_meet_is_refused():
     ac, _, forecast = _with_forecast(0.0)
-    forecast.step_s = 0.08
+    forecast.busy_step_s = 0.08
     refused = ac.admit(["fast"], [1], objective=Objective(per_token_s=0.05))
     assert refused.reason == "slo_tpot" and refused.retry_after_s == 1.0
     assert ac.admit(["ok"], [1], objective=Objective(per_token_s=0.1)).admitted
@@ -661,3 +661,46 @@ def test_a_continuation_is_not_judged_by_its_objective():
     ac, clock, _ = _with_forecast(5.0)
     hurried = Objective(first_token_by=clock.now + 0.1, per_token_s=0.001)
     assert ac.admit(["resumed"], [1], continuation=True, objective=hurried).admitted
+
+
+def test_a_request_with_its_own_first_token_objective_is_held_to_it_not_to_the_target():
+    # Under a flood every newcomer would wait 2 s: past the server's 0.5 s target, so one that
+    # says nothing is refused; one that accepts 5 s is served, one that accepts 1 s is not.
+    clock = Clock()
+    forecast = FakeForecast(wait=2.0)
+    ac = AdmissionController(AdmissionConfig(queue_target_s=0.5), clock, lambda: forecast)
+    flood(ac, clock)
+    assert ac.trends.filling(0)
+    assert ac.admit(["plain"], [1], needs=blocks(2)).reason == "overloaded"
+    patient = Objective(first_token_by=clock.now + 5.0)
+    assert ac.admit(["patient"], [1], needs=blocks(2), objective=patient).admitted
+    hurried = ac.admit(["hurried"], [1], objective=Objective(first_token_by=clock.now + 1.0))
+    assert hurried.reason == "slo_ttft"
+    # A time-per-token objective alone says nothing of the wait: the target still holds.
+    per_token = Objective(per_token_s=1.0)
+    assert ac.admit(["steady"], [1], needs=blocks(2), objective=per_token).reason == "overloaded"
+
+
+def test_what_a_slow_spell_taught_stops_refusing_objectives_once_it_is_old():
+    # First tokens came 2 s late for a while: a 1 s objective cannot be met, and while such
+    # requests are refused nothing new is learnt. Half a minute on, the spell no longer counts.
+    ac, clock, _ = _with_forecast(0.0, queue_target_s=0.5)
+    for i in range(10):
+        assert ac.admit([f"k{i}"], [1]).admitted
+        clock.now += 2.0
+        ac.started(f"k{i}")
+    refused = ac.admit(["a"], [1], objective=Objective(first_token_by=clock.now + 1))
+    assert refused.reason == "slo_ttft"
+    clock.now += 31.0
+    assert ac.admit(["b"], [1], objective=Objective(first_token_by=clock.now + 1)).admitted
+
+
+def test_an_idle_servers_old_step_time_refuses_no_time_per_token_objective():
+    from poise.engine.forecast import SlotForecast
+
+    idle = SlotForecast(free_slots=4, release_steps=(), step_s=0.3, cycle_steps=0)
+    busy = SlotForecast(free_slots=3, release_steps=(5,), step_s=0.3, cycle_steps=5)
+    assert idle.busy_step_s == 0.0 and busy.busy_step_s == 0.3
+    for forecast, admitted in ((idle, True), (busy, False)):
+        ac = AdmissionController(AdmissionConfig(), Clock(), lambda f=forecast: f)
+        assert ac.admit(["k"], [1], objective=Objective(per_token_s=0.1)).admitted is admitted
