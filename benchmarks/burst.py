@@ -18,7 +18,9 @@ benchmark venv ``.cache/vllm-venv`` (``--target vllm``). Everything stops by pid
 ``--ramp-s`` seconds (users arriving, or ``vllm bench serve --request-rate R --max-concurrency
 N``), each sending its next W1 request when the last is answered or has failed, for S seconds.
 Every such request is one the server could serve: no more are ever waiting than there are
-clients.
+clients. ``--slo-ttft-ms MS`` sends that first-token objective on every request
+(``x-slo-ttft-ms``): a patient client says how long it will wait, and poise holds it to that
+rather than to its queue target.
 """
 
 from __future__ import annotations
@@ -115,7 +117,9 @@ async def one_burst(url: str, model: str, index: int, seed: int, concurrency: in
     return report
 
 
-def _client(url: str, report: BurstReport) -> tuple[httpx.AsyncClient, openai.AsyncOpenAI]:
+def _client(
+    url: str, report: BurstReport, slo_ttft_ms: float | None = None
+) -> tuple[httpx.AsyncClient, openai.AsyncOpenAI]:
     """The official client as it comes, and every 429/503 it sees counted in the report."""
 
     async def count_refusals(response: httpx.Response) -> None:
@@ -127,13 +131,16 @@ def _client(url: str, report: BurstReport) -> tuple[httpx.AsyncClient, openai.As
         limits=httpx.Limits(max_connections=1000, max_keepalive_connections=1000),
         timeout=600,
     )
-    return http, openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", http_client=http)
+    headers = {} if slo_ttft_ms is None else {"x-slo-ttft-ms": f"{slo_ttft_ms:g}"}
+    return http, openai.AsyncOpenAI(
+        base_url=url + "/v1", api_key="none", http_client=http, default_headers=headers
+    )
 
 
 async def closed_loop(url: str, model: str, args: argparse.Namespace) -> BurstReport:
     work = workload_w1(32000, seed=7, n=max(256, 4 * args.concurrency))
     report = BurstReport(0, 0)
-    http, client = _client(url, report)
+    http, client = _client(url, report, args.slo_ttft_ms)
     items = itertools.cycle(list(zip(work.prompts, work.output_lens, strict=True)))
     t0 = time.perf_counter()
 
@@ -183,6 +190,7 @@ def main() -> int:
     ap.add_argument("--json", type=Path)
     ap.add_argument("--closed-loop", type=float, help="seconds of a closed loop, not bursts")
     ap.add_argument("--ramp-s", type=float, default=0.0, help="closed loop: clients start over")
+    ap.add_argument("--slo-ttft-ms", type=float, help="send this x-slo-ttft-ms on every request")
     args = ap.parse_args()
     proc = None
     if args.url:

@@ -108,6 +108,12 @@ class Forecast(Protocol):
         ...
 
     @property
+    def prompt_token_s(self) -> float:
+        """Seconds per prompt token computed, in the steps that carry prompt tokens (0: not
+        measured yet)."""
+        ...
+
+    @property
     def busy_step_s(self) -> float:
         """The recent wall time of one step while requests run: their time per token (0 while
         none runs)."""
@@ -362,7 +368,7 @@ class AdmissionController:
             big = self._big(blocks, priority)
             refusal = self._judge_wait(tickets, wait, deadline, big, own_first)
             if refusal is None and objective is not None:
-                refusal = self._judge_objective(objective, wait, priority, len(tickets))
+                refusal = self._judge_objective(objective, wait, tickets)
             if refusal is not None:
                 if refusal.sheds_priority:
                     self.trends.of(priority).shed()
@@ -427,18 +433,30 @@ class AdmissionController:
         return None
 
     def _judge_objective(
-        self, objective: Objective, wait: float, priority: int, count: int
+        self, objective: Objective, wait: float, tickets: list[Ticket]
     ) -> Decision | None:
         """The refusal a request predicted to miss its own objective earns, if any: its first
-        token later than asked (its wait, plus how far first tokens of its priority have lately
-        come after their predicted starts: their own prefill and the steps they share), or a
-        step time now longer than its time per token. While the queue does not fill, its arrival
+        token later than asked, or a step time now longer than its time per token.
+
+        Its first token is predicted at its wait plus how far first tokens of its priority have
+        lately come after their predicted starts (their own prefill and the steps they share),
+        and no sooner than the prompts of those waiting ahead of it and its own are computed at
+        the engine's recent pace of prompt tokens: a few requests that arrive together are each
+        predicted a short wait by the pace of starts, and their prompts then share the steps
+        (such clusters were where W2's admitted requests missed their objective, at every load).
+        A waiting prompt is counted whole, its cached prefix too: the bound errs long.
+
+        While the queue does not fill, its arrival
         is withdrawn from the trend, as one refused for its own deadline is: the same request
         without its objective would have been taken, so its refusal says nothing of whether the
         queue fills (counted, two such refusals made the next request without one look like a
         flood's)."""
-        refusal = None
+        refusal, priority, count = None, tickets[0].priority, len(tickets)
         first_token = wait + self._error_quantile(priority, self.config.objective_quantile)
+        if self.forecast is not None:
+            ahead = sum(t.prompt_tokens for t in self.waiting.values() if t.priority <= priority)
+            own = sum(t.prompt_tokens for t in tickets)
+            first_token = max(first_token, (ahead + own) * self.forecast().prompt_token_s)
         left = None if objective.first_token_by is None else objective.first_token_by - self.clock()
         step_s = self.forecast().busy_step_s if self.forecast is not None else 0.0
         if left is not None and first_token > left:

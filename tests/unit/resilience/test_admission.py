@@ -38,6 +38,7 @@ class FakeForecast:
 
     typical_footprint = 0
     busy_step_s = 0.05
+    prompt_token_s = 0.0
     kv_headroom_blocks = 1 << 30
     together = 1  # how many large requests the pool holds at once ...
     together_drained = 1  # ... and when no new typical requests take back what others free
@@ -704,3 +705,17 @@ def test_an_idle_servers_old_step_time_refuses_no_time_per_token_objective():
     for forecast, admitted in ((idle, True), (busy, False)):
         ac = AdmissionController(AdmissionConfig(), Clock(), lambda f=forecast: f)
         assert ac.admit(["k"], [1], objective=Objective(per_token_s=0.1)).admitted is admitted
+
+
+def test_prompts_arriving_together_are_predicted_to_share_the_steps():
+    # Three 256-token prompts wait (the pace of starts says a short wait); at 1 ms a prompt
+    # token the fourth's first token comes after about a second of prefill: a 1 s objective
+    # cannot be met, a 2 s one can.
+    ac, clock, forecast = _with_forecast(0.0)
+    forecast.prompt_token_s = 0.001
+    for i in range(3):
+        assert ac.admit([f"w{i}"], [256]).admitted
+    late = ac.admit(["fourth"], [256], objective=Objective(first_token_by=clock.now + 1.0))
+    assert late.reason == "slo_ttft" and late.predicted_wait_s == pytest.approx(1.024)
+    patient = Objective(first_token_by=clock.now + 2.0)
+    assert ac.admit(["patient"], [256], objective=patient).admitted
