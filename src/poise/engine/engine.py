@@ -304,9 +304,6 @@ class LLMEngine:
             self.timing.computed_tokens += out.num_batched_tokens
             self.timing.generation_tokens += len(advanced)
             self._forecaster.observe_step(self.timing.last_step_end - t0)
-            decodes = sum(q.is_decode for q in out.sequences)
-            prompt_tokens = out.num_batched_tokens - decodes
-            self._forecaster.observe_prefill(prompt_tokens, self.timing.last_step_end - t0)
             if self._step_budget is not None:
                 self._observe_step_time(out, self.timing.last_step_end - t0)
         outputs = self._collect(advanced)

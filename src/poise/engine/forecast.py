@@ -58,10 +58,6 @@ class SlotForecast:
     # Whether the scheduler preempts running requests to make a newcomer room (its headroom
     # rule; optimistic admission takes at most one worse one: not counted as room here).
     preempts_for_room: bool = True
-    # Seconds per prompt token computed, in the steps that carried prompt tokens (beside the
-    # decodes they also ran): how fast a backlog of prompts reaches its first tokens; 0 until
-    # measured.
-    prompt_token_s: float = 0.0
 
     def wait_s(
         self, position: int, priority: int | None = None, blocks: int = 0, own: int = 0
@@ -353,7 +349,6 @@ class SlotForecaster:
         self.alpha = alpha
         self.step_s: float | None = None
         self.mean_output_tokens: float | None = None
-        self._prefill: tuple[float, float] | None = None  # decayed (seconds, prompt tokens)
 
     @property
     def typical_output(self) -> int | None:
@@ -363,22 +358,6 @@ class SlotForecaster:
     def observe_step(self, seconds: float) -> None:
         a = self.alpha
         self.step_s = seconds if self.step_s is None else (1 - a) * self.step_s + a * seconds
-
-    def observe_prefill(self, prompt_tokens: int, seconds: float) -> None:
-        """A step computed ``prompt_tokens`` prompt tokens (and whatever decodes ran beside
-        them) in ``seconds``."""
-        if prompt_tokens <= 0:
-            return
-        a, last = self.alpha, self._prefill
-        if last is None:
-            self._prefill = (seconds, float(prompt_tokens))
-        else:
-            self._prefill = ((1 - a) * last[0] + a * seconds, (1 - a) * last[1] + a * prompt_tokens)
-
-    @property
-    def prompt_token_s(self) -> float:
-        """Seconds per prompt token in the steps that carried some (0 until one did)."""
-        return 0.0 if self._prefill is None else self._prefill[0] / self._prefill[1]
 
     def observe_finished(self, output_tokens: int) -> None:
         a = self.alpha
@@ -437,5 +416,4 @@ class SlotForecaster:
             if typical_footprint is None
             else typical_footprint,
             preempts_for_room=preempts_for_room,
-            prompt_token_s=self.prompt_token_s,
         )

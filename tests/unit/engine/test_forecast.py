@@ -317,13 +317,3 @@ def test_a_request_runs_its_output_at_the_step_time_and_a_short_pool_holds_one_l
     assert roomy.fit_together(25, retaken=False) == (69 + 25 + 20 * 4 - 16) // 25
     # While nothing runs the step time is that of a load gone: no run time is promised.
     assert f.forecast([], pool=pool).run_s(200, exact=True) == 0.0
-
-
-def test_the_pace_of_prompt_tokens_is_measured_in_the_steps_that_carry_them() -> None:
-    f = SlotForecaster(max_num_seqs=8, alpha=0.5)
-    assert f.forecast([]).prompt_token_s == 0.0  # not measured yet
-    f.observe_prefill(200, 0.1)
-    f.observe_prefill(0, 5.0)  # a decode-only step says nothing of prompts
-    assert f.forecast([]).prompt_token_s == pytest.approx(0.0005)
-    f.observe_prefill(100, 0.1)  # decayed sums: (0.1, 150 tokens)
-    assert f.forecast([]).prompt_token_s == pytest.approx(0.1 / 150)
