@@ -19,10 +19,11 @@
    (it ignores what admitting a refused request costs those behind it; refusals with no
    request admitted within 2 s are not judged).
 
-Each request carries its SLO as the Kubernetes Gateway API Inference Extension's headers
-(``x-slo-ttft-ms: 1000``, ``x-slo-tpot-ms: 100``), as a client with an objective tells a
-server; poise refuses at once what it predicts would miss them, vLLM ignores them.
-``--no-slo-headers`` sends none: poise then judges requests by its own queue target alone.
+With ``--slo-headers`` each request carries its SLO as the Kubernetes Gateway API Inference
+Extension's headers (``x-slo-ttft-ms: 1000``, ``x-slo-tpot-ms: 100``), as a client with an
+objective tells a server: poise then refuses at once what it predicts would miss them (vLLM
+ignores them). Without, the SLO is the client's secret and poise judges requests by its own
+queue target.
 
 Prompts are 256 random token ids (no prefix-cache hits), outputs exactly 64 tokens
 (ignore_eos), streamed so TTFT and TPOT are measured at the client. Everything runs on loopback
@@ -54,9 +55,9 @@ ROOT = Path(__file__).resolve().parent.parent
 VLLM_PYTHON = ROOT / ".cache" / "vllm-venv" / "bin" / "python"
 TTFT_SLO_S = 1.0
 TPOT_SLO_S = 0.100
-# Sent on every request unless --no-slo-headers.
+# Sent on every request with --slo-headers.
 SLO_HEADERS = {"x-slo-ttft-ms": f"{1000 * TTFT_SLO_S:g}", "x-slo-tpot-ms": f"{1000 * TPOT_SLO_S:g}"}
-_session_headers: dict[str, str] = dict(SLO_HEADERS)
+_session_headers: dict[str, str] = {}
 PROMPT_TOKENS = 256
 OUTPUT_TOKENS = 64
 
@@ -501,13 +502,13 @@ def main() -> int:
     ap.add_argument("--mults", default="1,2,3", help="overload multiples of the capacity")
     ap.add_argument("--json", type=Path)
     ap.add_argument(
-        "--no-slo-headers",
+        "--slo-headers",
         action="store_true",
-        help="send no x-slo-ttft-ms / x-slo-tpot-ms (the SLO is then the client's secret)",
+        help="send the SLO as x-slo-ttft-ms / x-slo-tpot-ms on every request",
     )
     args = ap.parse_args()
-    if args.no_slo_headers:
-        _session_headers.clear()
+    if args.slo_headers:
+        _session_headers.update(SLO_HEADERS)
     if not Path(args.model).exists():
         print(f"no model at {args.model}; make it with: poise make-model {args.model} --size w0")
         return 2
