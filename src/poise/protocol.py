@@ -90,10 +90,12 @@ TOKEN_NOTE_PREFIX = b": poise-tokens "
 # it past its predicted-wait bounds, as it does a ``poise_resume``.
 CONTINUATION_HEADER = "x-poise-continuation"
 # On a poise replica's 429 for load: it refuses every request of this priority or worse for
-# now, whatever its size, that brings no first-token objective of its own (absent: the
-# request's own size or deadline decided). A gateway holds such requests back for a moment
-# rather than forward a flood only to carry its refusals back.
+# now, whatever its size (absent: the request's own size or deadline decided), but one whose
+# first-token objective leaves at least ``SPARES_HEADER`` ms (a patient client's, held to its
+# objective instead). A gateway holds such requests back for a moment rather than forward a
+# flood only to carry its refusals back.
 SHEDDING_HEADER = "x-poise-shedding-priority"
+SPARES_HEADER = "x-poise-shedding-spares-ms"
 
 
 def token_note(token_ids: list[int], text_chars: int) -> bytes:

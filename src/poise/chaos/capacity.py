@@ -127,7 +127,7 @@ async def measure(
                 body = request_body(model, item, chat=False, ignore_eos=True)
                 # Walked away from at the window's end: what it streamed until then counts.
                 options = SendOptions(timeout_s=left + 1.0, abandon_after_s=left)
-                patient = {TTFT_SLO_HEADER: str(max(1, int(1000 * left)))}
+                patient = {TTFT_SLO_HEADER: str(round(1000 * end))}
                 record = await send(session, url + "/v1/completions", body, patient, t0, options)
                 sent.append(Sent(record, item.max_tokens, first))
                 first = first and record.ttft_s is None

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import bisect
 import math
+from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -58,6 +59,7 @@ class SlotForecast:
     # Whether the scheduler preempts running requests to make a newcomer room (its headroom
     # rule; optimistic admission takes at most one worse one: not counted as room here).
     preempts_for_room: bool = True
+    fastest_step_s: float = 0.0  # the shortest of the recent busy steps (0: none yet)
 
     def wait_s(
         self, position: int, priority: int | None = None, blocks: int = 0, own: int = 0
@@ -71,10 +73,11 @@ class SlotForecast:
 
     @property
     def busy_step_s(self) -> float:
-        """The recent step time while requests run; 0 while none does: the step time is then
-        that of a load gone (steps are not timed while idle), and a time-per-token objective
-        judged on it would be refused for as long as nothing runs to correct it."""
-        return self.step_s if self.release_steps else 0.0
+        """The recent step time while requests run; while none does, the shortest recent step
+        (a lone request's pace at best): the mean is then that of a load gone (steps are not
+        timed while idle), and a time-per-token objective judged on it would be refused for as
+        long as nothing runs to correct it."""
+        return self.step_s if self.release_steps else self.fastest_step_s
 
     def committed_blocks(self, total: int, free: int) -> int:
         """Of a pool of ``total`` blocks with ``free`` free: what the running requests hold and
@@ -338,6 +341,8 @@ class PoolView:
     block_size: int
 
 
+FASTEST_OF = 64  # busy steps the shortest is taken over
+
 IDLE_FORECAST = SlotForecast(free_slots=1 << 30, release_steps=(), step_s=0.0, cycle_steps=0)
 
 
@@ -349,6 +354,7 @@ class SlotForecaster:
         self.alpha = alpha
         self.step_s: float | None = None
         self.mean_output_tokens: float | None = None
+        self._recent_steps: deque[float] = deque(maxlen=FASTEST_OF)
 
     @property
     def typical_output(self) -> int | None:
@@ -356,6 +362,7 @@ class SlotForecaster:
         return None if self.mean_output_tokens is None else round(self.mean_output_tokens)
 
     def observe_step(self, seconds: float) -> None:
+        self._recent_steps.append(seconds)
         a = self.alpha
         self.step_s = seconds if self.step_s is None else (1 - a) * self.step_s + a * seconds
 
@@ -416,4 +423,5 @@ class SlotForecaster:
             if typical_footprint is None
             else typical_footprint,
             preempts_for_room=preempts_for_room,
+            fastest_step_s=min(self._recent_steps, default=0.0),
         )

@@ -98,14 +98,18 @@ class PoolGate:
         let_through = sum(n for p, n in self._admitted.items() if p <= priority)
         return let_through >= self.capacity()
 
-    async def enter(self, priority: int, deadline: float, own_objective: bool = False) -> None:
+    async def enter(
+        self, priority: int, deadline: float, first_token_by: float | None = None
+    ) -> None:
         """Return when the request may go to the pool (then ``leave`` once it is done).
-        ``own_objective``: it brings its own first-token objective, which poise replicas hold
-        it to instead of shedding its priority: it is not held back for their shedding."""
+        ``first_token_by``: its own first-token objective's due time: a patient one is not held
+        back while the backends shed its priority (they spare it), and none waits here past it
+        (429: it would reach a backend too late for its objective)."""
         eligible = self.pool.eligible()
         now = self.clock()
-        shed = eligible and all(b.sheds(priority, now) for b in eligible)
-        if self.hold_shedding and not own_objective and shed:
+        left = None if first_token_by is None else first_token_by - now
+        shed = eligible and all(b.sheds(priority, now, left) for b in eligible)
+        if self.hold_shedding and shed:
             # Each refused this priority for load a moment ago: say so here, at once, rather
             # than forward a flood's requests only to carry their refusals back.
             raise self._refusal(
@@ -136,13 +140,22 @@ class PoolGate:
         self._waiters[ident] = (priority, waiter)
         if self._pump is None:
             self._pump = asyncio.create_task(self._run_pump())
+        objective_first = first_token_by is not None and first_token_by < deadline
+        until = first_token_by if first_token_by is not None and objective_first else deadline
         try:
-            async with asyncio.timeout(max(0.0, deadline - self.clock())):
+            async with asyncio.timeout(max(0.0, until - self.clock())):
                 await waiter
         except TimeoutError:
             self._forget(ident)
             if _admitted(waiter):  # let in by the same loop pass that ended its wait
                 self.leave(priority)
+            if objective_first:
+                raise self._refusal(
+                    "slo_ttft",
+                    429,
+                    "the request's first-token objective (x-slo-ttft-ms) passed in the "
+                    "gateway's queue",
+                ) from None
             self.on_refusal(self.pool.model, "deadline")
             raise APIError(
                 504, "the request's deadline passed in the gateway's queue", code="timeout"

@@ -57,6 +57,7 @@ from poise.observability.tracing import Tracing
 from poise.protocol import (
     DEADLINE_HEADER,
     SHEDDING_HEADER,
+    SPARES_HEADER,
     TPOT_SLO_HEADER,
     TTFT_SLO_HEADER,
     APIError,
@@ -410,7 +411,9 @@ class Forwarder:
                     answered = error_code(data) not in NOT_SERVING_CODES
                     shedding = response.headers.get(SHEDDING_HEADER) if status == 429 else None
                     if shedding is not None:
-                        backend.note_shedding(_priority(shedding), self.clock(), SHED_HOLD_S)
+                        spares = _spares_s(response.headers.get(SPARES_HEADER))
+                        now = self.clock()
+                        backend.note_shedding(_priority(shedding), now, SHED_HOLD_S, spares)
                     if status in RETRYABLE_STATUS and call.idempotent:
                         verdict = "overloaded" if status == 429 else "error"
                         recovery = "move" if status == 429 else "retry"
@@ -510,6 +513,15 @@ def _priority(value: str) -> int:
         return int(value)
     except ValueError:
         return 2**31
+
+
+def _spares_s(value: str | None) -> float | None:
+    """The first-token objective a shedding backend spares, in seconds (None: none said, or
+    garbled: it spares nothing)."""
+    try:
+        return None if value is None else float(value) / 1000.0
+    except ValueError:
+        return None
 
 
 def _never_sent(exc: BaseException) -> bool:

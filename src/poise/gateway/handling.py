@@ -228,7 +228,7 @@ async def admit(
     queued_at = time.perf_counter()
     admission = child(gw, span, "gateway admission", {"poise.priority": priority})
     try:
-        await gw.gates[model].enter(priority, deadline, record.own_objective)
+        await gw.gates[model].enter(priority, deadline, record.first_token_by)
     finally:
         if admission is not None:
             admission.end()

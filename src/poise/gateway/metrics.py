@@ -87,7 +87,8 @@ class GatewayMetrics:
         self.shed = Counter(
             "poise_gateway_shed",
             "Requests refused by the admission queue, by reason (shed, queue_full, queue_ttl, "
-            "deadline, shedding: every backend refusing its priority for load a moment ago).",
+            "deadline, shedding: every backend refusing its priority for load a moment ago, "
+            "slo_ttft: a request's first-token objective passed while it waited).",
             ["model", "reason"],
             registry=r,
         )

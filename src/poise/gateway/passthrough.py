@@ -129,7 +129,8 @@ async def _handle(
     gw.autoscaling.arrived(model)
     deadline = gw.deadline(request)
     objective = objective_headers(request.headers, gw.clock())
-    record.own_objective = FIRST_TOKEN_BY in objective
+    due = objective.get(FIRST_TOKEN_BY)
+    record.first_token_by = None if due is None else float(due)
     charged = await charge(gw, key, model, _estimate(raw, data))
     priority, held = held_priority(key, data)
     if held is not None:

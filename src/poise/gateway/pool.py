@@ -100,23 +100,33 @@ class Backend:
     # ``note_shedding``). Such refusals since the hold began, by the priority they named.
     shed_counts: dict[int, int] = field(default_factory=dict)
     shed_until: float = 0.0
+    # ... sparing a request whose first-token objective leaves at least this long (None: none)
+    shed_spares_s: float | None = None
 
-    def sheds(self, priority: int, now: float) -> bool:
+    def sheds(self, priority: int, now: float, first_token_left_s: float | None = None) -> bool:
         """Whether it refused this priority or a better one for load a moment ago, more than
-        once (``SHED_CONFIRM``): refusals of a worse priority say nothing of this one."""
+        once (``SHED_CONFIRM``): refusals of a worse priority say nothing of this one. A
+        request whose first-token objective leaves ``first_token_left_s`` is not shed where
+        that is at least what the backend spares (a patient client's)."""
         if now >= self.shed_until:
+            return False
+        spares = self.shed_spares_s
+        if first_token_left_s is not None and spares is not None and first_token_left_s >= spares:
             return False
         return sum(n for p, n in self.shed_counts.items() if p <= priority) >= SHED_CONFIRM
 
-    def note_shedding(self, priority: int, now: float, hold_s: float) -> None:
+    def note_shedding(
+        self, priority: int, now: float, hold_s: float, spares_s: float | None = None
+    ) -> None:
         """It refused a request of ``priority`` for load (any of that priority or worse would
-        be now): count it towards holding them back for ``hold_s``, long enough to spare it a
-        flood's requests and short enough that its state (it changes within a step or two) is
-        asked again soon."""
+        be now, but one whose first-token objective leaves ``spares_s``): count it towards
+        holding them back for ``hold_s``, long enough to spare it a flood's requests and short
+        enough that its state (it changes within a step or two) is asked again soon."""
         if now >= self.shed_until:
             self.shed_counts.clear()
         self.shed_counts[priority] = self.shed_counts.get(priority, 0) + 1
         self.shed_until = max(self.shed_until, now + hold_s)
+        self.shed_spares_s = spares_s
 
     def cut_off(self) -> int:
         """Cut off the movable work in flight here; how much there was."""

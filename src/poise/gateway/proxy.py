@@ -92,7 +92,8 @@ async def _handle(
     gw.autoscaling.arrived(model)
     deadline = gw.deadline(request)
     objective = objective_headers(request.headers, gw.clock())
-    record.own_objective = FIRST_TOKEN_BY in objective
+    due = objective.get(FIRST_TOKEN_BY)
+    record.first_token_by = None if due is None else float(due)
     text = prompt_text(data)
     estimate = estimate_tokens(data, text)
     charged = await charge(gw, key, model, estimate)

@@ -28,9 +28,10 @@ class RequestRecord:
     model: str | None = None
     key: str | None = None
     priority: int = 0
-    # It brought its own first-token objective (x-slo-ttft-ms): replicas hold it to that, not
-    # to their shedding of its priority.
-    own_objective: bool = False
+    # When its first token is due by its own objective (x-slo-ttft-ms), on the gateway's clock:
+    # replicas spare a patient one when they shed its priority, and it waits in the gateway's
+    # line no longer.
+    first_token_by: float | None = None
     stream: bool = False
     status: int = 0
     outcome: str = "error"

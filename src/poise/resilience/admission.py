@@ -362,14 +362,24 @@ class AdmissionController:
         ]
         if not continuation and not any(t.large for t in tickets):
             self._last_typical_arrival = now
+        judged = objective is not None and not continuation
         if not self.config.enabled:
+            # The client's own objective is still its to set: only the server's are off.
+            refusal = self._judge_objective(objective, wait, priority) if judged else None
+            if refusal is not None:
+                return refusal
             self._enqueue(tickets)
             return Decision(True, None, wait, 0.0)
         if not continuation:
             big = self._big(blocks, priority)
             refusal = self._judge_wait(tickets, wait, deadline, big, self._patient(objective))
-            if refusal is None and objective is not None:
-                refusal = self._judge_objective(objective, wait, priority, len(tickets))
+            if refusal is None and judged:
+                refusal = self._judge_objective(objective, wait, priority)
+                trend = self.trends.of(priority)
+                # A burst's members are not counted; while the queue fills, it is demand as
+                # any other.
+                if refusal and not trend.bursting and not self.trends.filling(priority):
+                    trend.withdraw(len(tickets))
             if refusal is not None:
                 if refusal.sheds_priority:
                     self.trends.of(priority).shed()
@@ -394,13 +404,20 @@ class AdmissionController:
         self._enqueue(tickets)
         return Decision(True, None, wait, 0.0, tuple(t.key for t in shed))
 
-    def _patient(self, objective: Objective | None) -> bool:
-        """Its first-token objective is at least ``patient_factor`` times the target away: it
-        is held to that, not to the target (see ``AdmissionConfig.patient_factor``)."""
+    @property
+    def patient_s(self) -> float | None:
+        """A first-token objective that leaves at least this long is a patient client's, held
+        to it instead of the target (None: no target, so none is refused for its wait)."""
         target = self.config.queue_target_s
-        if objective is None or objective.first_token_by is None or target is None:
+        return None if target is None else self.config.patient_factor * target
+
+    def _patient(self, objective: Objective | None) -> bool:
+        """Its first-token objective leaves at least ``patient_s``: it is held to that, not to
+        the target (see ``AdmissionConfig.patient_factor``)."""
+        patient = self.patient_s
+        if objective is None or objective.first_token_by is None or patient is None:
             return False
-        return objective.first_token_by - self.clock() >= self.config.patient_factor * target
+        return objective.first_token_by - self.clock() >= patient
 
     def _judge_wait(
         self, tickets: list[Ticket], wait: float, deadline: float | None, big: bool, patient: bool
@@ -442,16 +459,17 @@ class AdmissionController:
         return None
 
     def _judge_objective(
-        self, objective: Objective, wait: float, priority: int, count: int
+        self, objective: Objective | None, wait: float, priority: int
     ) -> Decision | None:
         """The refusal a request predicted to miss its own objective earns, if any: its first
         token later than asked (its wait, plus how far first tokens of its priority have lately
         come after their predicted starts: their own prefill and the steps they share), or a
-        step time now longer than its time per token. While the queue does not fill, its arrival
-        is withdrawn from the trend, as one refused for its own deadline is: the same request
-        without its objective would have been taken, so its refusal says nothing of whether the
-        queue fills (counted, two such refusals made the next request without one look like a
-        flood's)."""
+        step time now longer than its time per token. While the queue does not fill, the
+        caller withdraws its arrival from the trend, as one refused for its own deadline is:
+        the same request without its objective would have been taken, so its refusal says
+        nothing of whether the queue fills (counted, two such refusals made the next request
+        without one look like a flood's)."""
+        assert objective is not None
         refusal = None
         first_token = wait + self._error_quantile(priority, self.config.objective_quantile)
         left = None if objective.first_token_by is None else objective.first_token_by - self.clock()
@@ -460,10 +478,6 @@ class AdmissionController:
             refusal = self._refuse("slo_ttft", first_token, first_token - left)
         elif objective.per_token_s is not None and step_s > objective.per_token_s:
             refusal = self._refuse("slo_tpot", wait, 1.0)
-        trend = self.trends.of(priority)
-        # A burst's members are not counted; while the queue fills, it is demand as any other.
-        if refusal is not None and not trend.bursting and not self.trends.filling(priority):
-            trend.withdraw(count)
         return refusal
 
     def _passed(self, priority: int, own: int) -> list[float]:

@@ -256,6 +256,8 @@ def create_chat_completion(
 ) -> Planned:
     model = check_model(replica, body.model)
     _check_choices(replica, 1, body.n)
+    # Before the template and the grammar: its first-token objective counts from here.
+    terms = _terms(replica, body.priority, headers)
     if body.add_generation_prompt and body.continue_final_message:
         raise APIError(
             400,
@@ -306,7 +308,6 @@ def create_chat_completion(
     guided = guided_for(body, forced)
     samplings = [_sampling(body, max_tokens, logprobs, j, defaults, guided) for j in range(body.n)]
     resume = _resume(body, body.n)
-    terms = _terms(replica, body.priority, headers)
     # The template writes the special tokens itself.
     group = _start(replica, [prompt] * body.n, samplings, terms, False, resume)
     call = _call(replica, group, body, True, model, headers)

@@ -26,6 +26,7 @@ from poise.engine.request import Request, SamplingParams
 from poise.protocol import (
     DEADLINE_HEADER,
     SHEDDING_HEADER,
+    SPARES_HEADER,
     TPOT_SLO_HEADER,
     TTFT_SLO_HEADER,
     APIError,
@@ -358,6 +359,8 @@ class Replica:
             headers = {"Retry-After": str(int(decision.retry_after_s))}
             if decision.sheds_priority:
                 headers[SHEDDING_HEADER] = str(priority)
+                if self.admission.patient_s is not None:  # spared: held to their objective
+                    headers[SPARES_HEADER] = str(round(1000 * self.admission.patient_s))
             run_s = max((n.hold_s for n in needs if n.exact), default=0.0)
             message = self._refusal_message(reason, decision.predicted_wait_s, terms, run_s)
             if decision.large:

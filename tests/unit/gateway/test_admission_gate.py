@@ -167,16 +167,24 @@ async def test_batch_work_that_fills_the_pool_holds_no_better_priority_back():
     assert g.admitted == 2 and len(g.line) == 0
 
 
-async def test_a_request_with_its_own_first_token_objective_is_not_held_for_shedding():
-    # Every backend refused priority 0 for load twice: a request that says nothing is refused
-    # here; one that brings x-slo-ttft-ms goes on (its replica holds it to that objective).
+async def test_a_patient_objective_is_not_held_for_shedding_and_none_waits_past_its_own():
+    # Every backend refused priority 0 for load twice, sparing objectives of 2 s or more: a
+    # request that says nothing, or asks 1 s, is refused here; one that brings 5 s goes on.
     clock = Clock()
-    g = gate(clock, 2)
+    g = gate(clock, 2, max_inflight_per_backend=1)
     for b in g.pool.backends:
-        b.note_shedding(0, clock.now, 0.25)
-        b.note_shedding(0, clock.now, 0.25)
-    with pytest.raises(APIError) as refused:
-        await g.enter(0, clock.now + 10)
-    assert refused.value.status == 429 and g.refusals == ["shedding"]  # type: ignore[attr-defined]
-    await g.enter(0, clock.now + 10, own_objective=True)
-    assert g.admitted == 1
+        b.note_shedding(0, clock.now, 0.25, spares_s=2.0)
+        b.note_shedding(0, clock.now, 0.25, spares_s=2.0)
+    for first_token_by in (None, clock.now + 1.0):
+        with pytest.raises(APIError) as refused:
+            await g.enter(0, clock.now + 10, first_token_by)
+        assert refused.value.status == 429
+    assert g.refusals == ["shedding", "shedding"]  # type: ignore[attr-defined]
+    await g.enter(0, clock.now + 10, clock.now + 5.0)
+    await g.enter(0, clock.now + 10, clock.now + 5.0)
+    assert g.admitted == 2  # the pool's capacity: a third waits in line ...
+    clock.now += 0.3  # (the backends no longer shed)
+    with pytest.raises(APIError) as late:
+        await g.enter(0, clock.now + 10, clock.now + 0.05)  # ... no longer than its objective
+    assert late.value.status == 429 and late.value.code == "slo_ttft"
+    assert g.refusals[-1] == "slo_ttft" and g.admitted == 2  # type: ignore[attr-defined]

@@ -15,7 +15,7 @@ import pytest
 from aiohttp import web
 
 from poise.gateway.config import GatewaySettings
-from poise.gateway.forward import Attempt, Forwarder, Timeouts
+from poise.gateway.forward import FIRST_TOKEN_BY, Attempt, Forwarder, Timeouts
 from poise.gateway.pool import Pool
 from poise.gateway.stream import relay
 from poise.protocol import APIError
@@ -635,3 +635,25 @@ async def test_a_refused_connection_with_nowhere_to_move_is_the_policys_to_retry
     finally:
         await fwd.session.close()
         await runner.cleanup()
+
+
+async def test_each_attempt_tells_the_backend_what_is_left_of_the_first_token_objective(backends):
+    # The first backend asked takes 0.3 s to refuse; the next hears of 0.8 s less that.
+    seen: list[dict[str, str]] = []
+
+    async def slow_then_answer(request: web.Request) -> web.Response:
+        seen.append(dict(request.headers))
+        if len(seen) == 1:
+            await asyncio.sleep(0.3)
+            return await refuse(request)
+        return await answer(request)
+
+    pool, fwd = await backends(slow_then_answer, slow_then_answer)
+    headers = {"content-type": "application/json", FIRST_TOKEN_BY: repr(time.monotonic() + 0.8)}
+    body = b'{"model": "m", "prompt": "x"}'
+    deadline = time.monotonic() + 30
+    up = await fwd.send(pool, "/v1/completions", body, headers, deadline, False, None, Attempt())
+    assert up.status == 200 and len(seen) == 2
+    first, second = (int(h["x-slo-ttft-ms"]) for h in seen)
+    assert 700 <= first <= 800 and second <= first - 250
+    assert not any(FIRST_TOKEN_BY in {k.lower() for k in h} for h in seen)  # never sent on

@@ -703,9 +703,11 @@ def test_what_a_slow_spell_taught_stops_refusing_objectives_once_it_is_old():
 def test_an_idle_servers_old_step_time_refuses_no_time_per_token_objective():
     from poise.engine.forecast import SlotForecast
 
-    idle = SlotForecast(free_slots=4, release_steps=(), step_s=0.3, cycle_steps=0)
-    busy = SlotForecast(free_slots=3, release_steps=(5,), step_s=0.3, cycle_steps=5)
-    assert idle.busy_step_s == 0.0 and busy.busy_step_s == 0.3
-    for forecast, admitted in ((idle, True), (busy, False)):
+    # Idle, the mean of a load gone does not count; the shortest recent step does.
+    idle = SlotForecast(4, (), step_s=0.3, cycle_steps=0, fastest_step_s=0.05)
+    slow = SlotForecast(4, (), step_s=0.3, cycle_steps=0, fastest_step_s=0.2)
+    busy = SlotForecast(3, (5,), step_s=0.3, cycle_steps=5, fastest_step_s=0.05)
+    assert idle.busy_step_s == 0.05 and busy.busy_step_s == 0.3
+    for forecast, admitted in ((idle, True), (slow, False), (busy, False)):
         ac = AdmissionController(AdmissionConfig(), Clock(), lambda f=forecast: f)
         assert ac.admit(["k"], [1], objective=Objective(per_token_s=0.1)).admitted is admitted
