@@ -49,9 +49,9 @@ responsiveness. A newcomer's wait is at least how long the requests of each kind
 have gone without a start of their kind, so a stalled engine stops admitting instead of trusting
 an old, fast rate. Predictions err, mostly short (a request's own prefill is in its wait to the
 first token, and chunked prompts share steps), so the error measured on the last requests
-predicted near the target (its 90th percentile, at most half the target; none older than
-``rate_max_age_s``) is added to a newcomer's prediction before it is held against the target:
-the target holds on whatever host this runs.
+predicted near the target (its 90th percentile, at most half the target) is added to a
+newcomer's prediction before it is held against the target: the target holds on whatever host
+this runs.
 
 Priorities follow vLLM: lower values run first. A request is only queued behind those with a
 value at most its own, and the slot forecast counts the running requests of a lower priority as
@@ -556,11 +556,16 @@ class AdmissionController:
 
     def _error_quantile(self, priority: int, quantile: float | None = None) -> float:
         """How far waits of this priority ran past their predictions lately, at ``quantile``
-        (``error_quantile`` unless given), at least 0 (0 until there are a few samples). None
-        older than ``rate_max_age_s`` counts: what a slow spell taught would otherwise refuse
-        every request whose objective it fails, and refusals teach nothing new."""
-        since = self.clock() - self.config.rate_max_age_s
-        errors = [e for at, e in self._errors.get(priority, ()) if at >= since]
+        (``error_quantile`` unless given), at least 0 (0 until there are a few samples).
+
+        For a request's own objective (``quantile`` given) none older than ``rate_max_age_s``
+        counts: what a slow spell taught would otherwise refuse every request whose objective
+        it fails, and refusals teach nothing new. The target's margin keeps them all: capped at
+        half the target, it cannot refuse everything, and aged, a priority whose requests are
+        mostly refused (a batch flood's) would be left with no margin at all."""
+        samples = self._errors.get(priority, ())
+        since = -math.inf if quantile is None else self.clock() - self.config.rate_max_age_s
+        errors = [e for at, e in samples if at >= since]
         if len(errors) < 8:
             return 0.0
         q = self.config.error_quantile if quantile is None else quantile
