@@ -634,15 +634,19 @@ def test_a_request_predicted_to_miss_its_first_token_objective_is_refused_whatev
     assert "hurried" not in ac.waiting
 
 
+def _first_tokens_late(ac: AdmissionController, clock: Clock, late_s: float) -> None:
+    """Ten requests predicted to start at once, each starting ``late_s`` later, one by one."""
+    for i in range(10):
+        assert ac.admit([f"k{i}"], [1]).admitted
+        clock.now += late_s
+        ac.started(f"k{i}")
+
+
 def test_the_first_token_objective_counts_how_late_first_tokens_have_come():
     # First tokens came 0.3 s after their predicted starts (their own prefill): an objective of
     # 0.2 s cannot be met by an idle server, one of 0.4 s can.
     ac, clock, _ = _with_forecast(0.0, queue_target_s=0.5)
-    for i in range(10):
-        assert ac.admit([f"k{i}"], [1]).admitted
-        clock.now += 0.3
-        ac.started(f"k{i}")
-        ac.left(f"k{i}", answered=True)
+    _first_tokens_late(ac, clock, 0.3)
     tight = ac.admit(["tight"], [1], objective=Objective(first_token_by=clock.now + 0.2))
     assert tight.reason == "slo_ttft" and tight.predicted_wait_s == pytest.approx(0.3)
     assert ac.admit(["loose"], [1], objective=Objective(first_token_by=clock.now + 0.4)).admitted
@@ -690,10 +694,7 @@ def test_what_a_slow_spell_taught_stops_refusing_objectives_once_it_is_old():
     # First tokens came 2 s late for a while: a 1 s objective cannot be met, and while such
     # requests are refused nothing new is learnt. Half a minute on, the spell no longer counts.
     ac, clock, _ = _with_forecast(0.0, queue_target_s=0.5)
-    for i in range(10):
-        assert ac.admit([f"k{i}"], [1]).admitted
-        clock.now += 2.0
-        ac.started(f"k{i}")
+    _first_tokens_late(ac, clock, 2.0)
     refused = ac.admit(["a"], [1], objective=Objective(first_token_by=clock.now + 1))
     assert refused.reason == "slo_ttft"
     clock.now += 31.0
