@@ -123,6 +123,7 @@ class Attempt:
     unable: frozenset[Backend] = frozenset()  # the backends the request's body is not for
     holds_retry: bool = False  # a retry slot of the budget, until the retried attempt answers
     span: trace.Span | None = None  # the request's span: each attempt is a child of it
+    priority: int | None = None  # the one it is sent with (``x-priority``): what routing weighs
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,6 +204,7 @@ class Forwarder:
             return bodies[b]
 
         fresh = not journey.tried  # not a resumed stream's, which begins with the broken one
+        journey.priority = priority = priority_sent(headers)
         try:
             while True:
                 # After a refusal for load, none of those that refused; otherwise not the last one.
@@ -211,7 +213,9 @@ class Forwarder:
                 if journey.moving:  # a move goes only where a connection may yet be made
                     journey.moving = False
                     unable |= frozenset(journey.unreachable)
-                backend = pool.pick(affinity, frozenset(tried) | set(journey.unreachable), unable)
+                backend = pool.pick(
+                    affinity, frozenset(tried) | set(journey.unreachable), unable, priority
+                )
                 permit = backend.breaker.acquire() if backend is not None else None
                 if fresh:
                     fresh = False
@@ -368,16 +372,20 @@ class Forwarder:
             )
             Tracing.inject(sent_headers, span)
         started = self.clock()
-        backend.inflight += 1
+        priority = journey.priority
         # A stream's first token and the gaps after it time the backend for routing (a stream
         # of typical size: ``LatencyConfig.large_factor``); a whole answer's duration says
-        # more about its length than about the backend.
-        timer = pool.latency.stream(backend.url, len(body)) if stream else None
+        # more about its length than about the backend. One that a better priority outranks
+        # times nothing: its waits are its rank's (``Pool.outranked``).
+        outranked = pool.outranked(backend, priority)
+        backend.attempt_started(priority)
+        timer = pool.latency.stream(backend.url, len(body), outranked) if stream else None
         # A resumed stream's journey begins with the backend it broke on: not a first pick.
         first = len(journey.tried) == 1 and journey.retries == 0
         outcome = Outcome(
-            self.clock, self.on_outcome, pool, backend, permit, started, span, timer, first
-        )
+            self.clock, self.on_outcome, pool, backend, permit, started, span, timer, first,
+            priority,
+        )  # fmt: skip
         response: aiohttp.ClientResponse | None = None
         cut = CutOff(asyncio.current_task())
         backend.movable[cut] = cut.fire
@@ -505,6 +513,16 @@ def _give_up(journey: Attempt, retry_after: float | None = None) -> APIError:
         f"upstream failed after {len(journey.tried)} attempt(s): {why}",
         code="upstream_error",
     )
+
+
+def priority_sent(headers: dict[str, str]) -> int | None:
+    """The priority the gateway sends with a request (``x-priority``); None: none, or not a
+    number (its attempts then count against every priority's routing)."""
+    value = headers.get("x-priority")
+    try:
+        return None if value is None else int(value)
+    except ValueError:
+        return None
 
 
 def _priority(value: str) -> int:

@@ -49,6 +49,7 @@ class Outcome:
         span: trace.Span | None = None,
         timer: StreamTimer | None = None,
         first: bool = False,
+        priority: int | None = None,
     ) -> None:
         self.clock, self.on_outcome = clock, on_outcome
         self.pool, self.backend, self.started = pool, backend, started
@@ -56,6 +57,7 @@ class Outcome:
         self.span = span  # the attempt's; it lasts as long as the attempt, stream included
         self.timer = timer  # the stream's, fed by the relay
         self.first = first  # the request's first attempt (its pool's first pick)
+        self.priority = priority  # the one it was sent with: its in-flight count is under it
         self.closed = False
 
     def _end_span(self, outcome: str) -> None:
@@ -97,7 +99,7 @@ class Outcome:
             timing = CallTiming(elapsed, 0.0, tokens)
         if self.timer is not None:
             self.timer.close()
-        self.backend.inflight -= 1
+        self.backend.attempt_ended(self.priority)
         # 429 ("overloaded") is a busy backend, not a broken one: it does not count against it;
         # nor does a request whose own deadline ran out while the backend worked on it.
         failed = outcome in ("error", "timeout", "connect_error")
@@ -116,5 +118,5 @@ class Outcome:
         self._end_span("abandoned")
         if self.timer is not None:
             self.timer.close()
-        self.backend.inflight -= 1
+        self.backend.attempt_ended(self.priority)
         self.backend.breaker.release(self.permit)

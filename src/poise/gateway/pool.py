@@ -8,8 +8,10 @@ more likely wrong (probes timing out while a restarted neighbour loads on the sa
 all the backends dead, and a request sent to a dead one fails over in milliseconds, where
 "no healthy backend" fails it for sure. So the last live backend never leaves rotation.
 
-Among those, power of two choices on load: the gateway's own requests in flight (on another
-engine than poise, its own count of running requests when that is more) plus the waiting
+Among those, power of two choices on load: the gateway's own requests in flight (at a poise
+replica, those of a worse priority than the request's count for a tenth: the replica pauses and
+preempts them for it; on another engine than poise, its own count of running requests when that
+is more) plus the waiting
 requests it reports (its ``/metrics``, under its kind's names: ``health``), scaled by weight
 and by its latency cost (peak EWMA of time to first token and per output token against the
 pool's median, work outstanding included: see ``poise.resilience.latency``), so that a
@@ -56,6 +58,13 @@ SLOW_UPDATE_S = 0.1  # how often routing re-judges slowness
 # refused the next interactive request at every backend for nothing.
 SHED_CONFIRM = 2
 
+# What one of the gateway's attempts at a poise replica of a worse priority than the request
+# being routed counts for in its load, against one for an attempt of its priority or better:
+# the replica pauses and preempts such work for it, but what runs of it still fills part of
+# each step (``lower_priority_share``), so of two replicas with as much of its own priority in
+# flight the one with less of the rest is the better.
+WORSE_PRIORITY_WEIGHT = 0.1
+
 
 @dataclass(slots=True)
 class ReportedLoad:
@@ -72,6 +81,10 @@ class Backend:
     settings: BackendSettings
     breaker: CircuitBreaker
     inflight: int = 0
+    # Of those, the attempts by the priority they carry (one sent without any is in
+    # ``inflight`` alone): a poise replica serves a better priority before a worse one, so
+    # a request waits there behind the work of its own priority and better, not the rest.
+    inflight_by_priority: dict[int, int] = field(default_factory=dict)
     healthy: bool = True
     health_streak: int = 0  # consecutive probe results in the direction of a change
     checked: bool = False  # an active check has given a verdict (the first one counts at once)
@@ -114,6 +127,28 @@ class Backend:
         if first_token_left_s is not None and spares is not None and first_token_left_s >= spares:
             return False
         return sum(n for p, n in self.shed_counts.items() if p <= priority) >= SHED_CONFIRM
+
+    def attempt_started(self, priority: int | None) -> None:
+        self.inflight += 1
+        if priority is not None:
+            self.inflight_by_priority[priority] = self.inflight_by_priority.get(priority, 0) + 1
+
+    def attempt_ended(self, priority: int | None) -> None:
+        self.inflight -= 1
+        if priority is not None:
+            left = self.inflight_by_priority.get(priority, 0) - 1
+            if left > 0:
+                self.inflight_by_priority[priority] = left
+            else:
+                self.inflight_by_priority.pop(priority, None)
+
+    def inflight_worse_than(self, priority: int) -> int:
+        """The gateway's attempts in flight here of a worse priority than ``priority``."""
+        return sum(n for p, n in self.inflight_by_priority.items() if p > priority)
+
+    def outranks(self, priority: int) -> bool:
+        """Whether an attempt of a better priority than ``priority`` is in flight here."""
+        return any(p < priority for p in self.inflight_by_priority)
 
     def note_shedding(
         self, priority: int, now: float, hold_s: float, spares_s: float | None = None
@@ -299,16 +334,21 @@ class Pool:
         b.error_answers = b.error_answers + 1 if error_answer and not ok and not out else 0
         return ejected
 
-    def score(self, b: Backend) -> float:
-        return self.latency.cost(b.url) * self.load_score(b)
+    def score(self, b: Backend, priority: int | None = None) -> float:
+        return self.latency.cost(b.url) * self.load_score(b, priority)
 
-    def load_score(self, b: Backend) -> float:
+    def load_score(self, b: Backend, priority: int | None = None) -> float:
         """``score`` without the latency cost: work there (in flight and reported) plus one,
-        over its weight."""
+        over its weight. For a request of ``priority`` at a poise replica, the gateway's
+        attempts there of a worse one count for ``WORSE_PRIORITY_WEIGHT`` each: the replica
+        pauses and preempts them for it (they only break ties between replicas with as much
+        of its own priority in flight; see docs/admission.md, the flood on a slow spell)."""
         load = b.load
         # A nearly full KV cache means preemptions soon: as bad as a queue of ten.
         reported = load.waiting + (10.0 if load.kv_usage > 0.95 else 0.0)
         running = float(b.inflight)
+        if priority is not None and b.kind == "poise":
+            running -= (1.0 - WORSE_PRIORITY_WEIGHT) * b.inflight_worse_than(priority)
         if self.older_than_a_report_may_be(load.at):
             reported += STALE_LOAD_PENALTY
         elif b.kind != "poise":
@@ -320,38 +360,55 @@ class Pool:
             running = max(running, load.running)
         return (running + reported + 1) / b.settings.weight
 
+    def outranked(self, b: Backend, priority: int | None) -> bool:
+        """Whether an attempt of ``priority`` at ``b`` starts outranked: ``b`` is a poise
+        replica (which serves a better priority first) and the gateway has an attempt of a
+        better priority in flight anywhere in the pool. Judged on the pool, not on ``b``:
+        judged on each backend, one with no better work in flight is timed by its worse
+        streams and the others by their better ones, and the difference alone would keep the
+        better priority off it."""
+        if priority is None or b.kind != "poise":
+            return False
+        return any(other.outranks(priority) for other in self.backends)
+
     def pick(
         self,
         affinity: Affinity | None = None,
         exclude: frozenset[Backend] = frozenset(),
         unable: frozenset[Backend] = frozenset(),
+        priority: int | None = None,
     ) -> Backend | None:
         """One backend for the next attempt, or None when none may take it.
 
         ``exclude``: backends already tried for this request; they are used again only when
         nothing else is eligible. ``unable``: backends that cannot serve it at all (an engine
-        that cannot continue a chat by text); never chosen.
+        that cannot continue a chat by text); never chosen. ``priority``: the request's, which
+        decides what load counts against a backend (``load_score``).
         """
         candidates = [b for b in self.eligible(exclude) if b not in unable] or [
             b for b in self.eligible() if b not in unable
         ]
         if not candidates:
             return None
-        chosen = candidates[0] if len(candidates) == 1 else self._choose(candidates, affinity)
+        chosen = (
+            candidates[0] if len(candidates) == 1 else self._choose(candidates, affinity, priority)
+        )
         if affinity is not None:
             self.prefixes.record(affinity, chosen.url)
         return chosen
 
-    def _choose(self, candidates: list[Backend], affinity: Affinity | None) -> Backend:
-        least = min(self.score(b) for b in candidates)
+    def _choose(
+        self, candidates: list[Backend], affinity: Affinity | None, priority: int | None
+    ) -> Backend:
+        least = min(self.score(b, priority) for b in candidates)
         if affinity is not None:
-            preferred = self._by_prefix(candidates, affinity)
-            if self.score(preferred) <= least + AFFINITY_SLACK:
+            preferred = self._by_prefix(candidates, affinity, priority)
+            if self.score(preferred, priority) <= least + AFFINITY_SLACK:
                 return preferred
         a, b = self.rng.sample(candidates, 2)
-        return a if self._rather(a, b) else b
+        return a if self._rather(a, b, priority) else b
 
-    def _rather(self, a: Backend, b: Backend) -> bool:
+    def _rather(self, a: Backend, b: Backend, priority: int | None = None) -> bool:
         """Whether ``a`` takes the attempt rather than ``b``: the lower score, unless one of
         them has answered its latest attempts with errors and is not yet ejected for it
         (``error_answers`` short of ``consecutive_failures``). Then they are compared on load
@@ -372,20 +429,25 @@ class Pool:
         ea = 0 < a.error_answers < limit
         eb = 0 < b.error_answers < limit
         if not (ea or eb):
-            return self.score(a) <= self.score(b)
-        la, lb = self.load_score(a), self.load_score(b)
+            return self.score(a, priority) <= self.score(b, priority)
+        la, lb = self.load_score(a, priority), self.load_score(b, priority)
         if la != lb:
             return la < lb
         return ea and a.error_answers >= b.error_answers
 
-    def _by_prefix(self, candidates: list[Backend], affinity: Affinity) -> Backend:
+    def _by_prefix(
+        self, candidates: list[Backend], affinity: Affinity, priority: int | None
+    ) -> Backend:
         """The least loaded of the backends that have seen the longest run of the prompt's
         leading blocks; with none, the first block's rendezvous choice."""
         matched = {b: self.prefixes.matched(affinity, b.url) for b in candidates}
         longest = max(matched.values())
         if longest == 0:
             return max(candidates, key=lambda b: _rendezvous(affinity[0], b.url))
-        return min((b for b in candidates if matched[b] == longest), key=self.score)
+        return min(
+            (b for b in candidates if matched[b] == longest),
+            key=lambda b: self.score(b, priority),
+        )
 
 
 def _rendezvous(key: bytes, url: str) -> int:

@@ -19,7 +19,10 @@ long requests of kv-exhaustion, its TTFT read 6-7 s and the other took every sho
 until its pool ran out. A large request's tokens still show the backend alive, and its open
 wait counts, but for no longer than the backend has gone without giving any stream a token:
 a hung backend is seen as before, one that holds a long request for room while it streams to
-the others is not.
+the others is not. So with a request that a better priority outranks (the router says which:
+at a poise replica, while the gateway has a better one in flight): the replica pauses and
+preempts it for the better one, and a batch flood's requests waiting seconds there read as a
+slow replica, which sent the interactive requests beside them elsewhere.
 
 The cost is the backend's estimate relative to the
 pool's median, a dimensionless multiplier of the pool's load score::
@@ -196,8 +199,8 @@ class StreamTimer:
     """
 
     __slots__ = (
-        "_read_at", "_tracker", "backend_s", "closed", "count", "large", "last", "longest_wait",
-        "size", "started", "url",
+        "_read_at", "_tracker", "backend_s", "closed", "count", "last", "longest_wait", "size",
+        "started", "untimed", "url",
     )  # fmt: skip
 
     def __init__(
@@ -207,7 +210,9 @@ class StreamTimer:
         self.url = url
         self.started = started
         self.size = size  # the request's (its body's length); None: not known
-        self.large = tracker.is_large(size)  # times nothing (``LatencyConfig.large_factor``)
+        # Times nothing: a large request (``LatencyConfig.large_factor``), or an outranked one
+        # (``LatencyTracker.stream``).
+        self.untimed = tracker.is_large(size)
         self.last: float | None = None  # when tokens last came; None: none yet
         self.count = 0  # output tokens so far
         # Time spent waiting on the backend's reads, and the longest such wait. A relay blocked
@@ -233,7 +238,7 @@ class StreamTimer:
         now = self._tracker.clock()
         if self.last is None:
             self._tracker.served(self.size)
-        if self.large:
+        if self.untimed:
             self._tracker.progress(self.url)
         elif self.last is None:
             self._tracker.observe_ttft(self.url, now - self.started)
@@ -333,10 +338,14 @@ class LatencyTracker:
             s.probe.observe(seconds)
             s.probes.append((self.clock(), max(0.0, seconds)))
 
-    def stream(self, url: str, size: int | None = None) -> StreamTimer:
+    def stream(self, url: str, size: int | None = None, outranked: bool = False) -> StreamTimer:
         """A timer for one attempt's stream, started now; ``size``: the request's (its body's
-        length), which decides whether the stream times the backend (``large_factor``)."""
+        length), which decides whether the stream times the backend (``large_factor``).
+        ``outranked``: a better priority was being served when it began (``Pool.outranked``);
+        it times nothing either, as a large one: its wait for a first token and its gaps are
+        what its rank costs, not the backend's speed."""
         timer = StreamTimer(self, url, self.clock(), size)
+        timer.untimed = timer.untimed or outranked
         s = self._series.get(url)
         if s is not None:
             s.streams.add(timer)
@@ -357,7 +366,7 @@ class LatencyTracker:
             self._sizes.append(size)
 
     def progress(self, url: str) -> None:
-        """A token came from ``url`` that times nothing (a large request's)."""
+        """A token came from ``url`` that times nothing (a large or outranked request's)."""
         s = self._series.get(url)
         if s is not None:
             s.progress_at = self.clock()
@@ -386,14 +395,14 @@ class LatencyTracker:
 
     def _pending(self, s: _Series) -> tuple[float, float]:
         """The oldest wait for a first token, and the longest current gap between tokens; a
-        large request's no longer than the backend has gone without giving any stream a
-        token."""
+        large or outranked request's no longer than the backend has gone without giving any
+        stream a token."""
         now = self.clock()
         idle = math.inf if s.progress_at is None else now - s.progress_at
         first = gap = 0.0
         for t in s.streams:
             wait = now - (t.started if t.last is None else t.last)
-            if t.large:
+            if t.untimed:
                 wait = min(wait, idle)
             if t.last is None:
                 first = max(first, wait)

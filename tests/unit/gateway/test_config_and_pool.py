@@ -346,3 +346,87 @@ def test_a_backend_sheds_the_best_priority_it_refused_for_a_moment():
     assert not b.sheds(7, 101.05)
     b.note_shedding(7, 101.05, 0.25)
     assert b.sheds(7, 101.1) and not b.sheds(5, 101.1)
+
+
+def test_a_poise_replica_s_worse_priority_work_does_not_count_against_a_better_request():
+    """A batch flood's requests in flight on one poise replica do not send the interactive
+    requests to the other (which then outgrow its step budget): the replica pauses and
+    preempts batch work for them. They still count against batch requests, and against every
+    request at an engine that does not schedule by priority."""
+    clock = Clock()
+    pool = Pool("m", settings(2), clock, random.Random(0))
+    a, b = pool.backends
+    a.kind = b.kind = "poise"
+    for backend in (a, b):
+        backend.load.at = clock.now
+    for _ in range(5):
+        a.attempt_started(10)
+    b.attempt_started(0)
+    assert a.inflight == 5 and b.inflight == 1
+    assert {pool.pick(priority=0) for _ in range(20)} == {a}
+    assert {pool.pick(priority=10) for _ in range(20)} == {b}
+    assert {pool.pick() for _ in range(20)} == {b}  # no priority said: all of it counts
+    a.kind = b.kind = "vllm"
+    assert {pool.pick(priority=0) for _ in range(20)} == {b}
+    a.kind = b.kind = "poise"
+    # With as much of its own priority in flight on each, the one with less of the rest.
+    a.attempt_started(0)
+    assert {pool.pick(priority=0) for _ in range(20)} == {b}
+    a.attempt_ended(0)
+    # Ended, they no longer count; an attempt sent without a priority counts for everyone.
+    for _ in range(5):
+        a.attempt_ended(10)
+    assert a.inflight == 0 and not a.inflight_worse_than(0)
+    a.attempt_started(None)
+    a.attempt_started(None)
+    assert {pool.pick(priority=0) for _ in range(20)} == {b}
+
+
+def test_a_stream_is_outranked_while_a_better_priority_is_served_anywhere_in_the_pool():
+    """Judged on the pool, so that every poise replica's latency is read off the same kind of
+    stream: judged per replica, one with no interactive work in flight was timed by its batch
+    streams' waits and kept looking slow to the interactive requests. At an engine that does
+    not schedule by priority, a worse request's wait is the engine's own and times it."""
+    pool = Pool("m", settings(3), Clock(), random.Random(0))
+    a, b, c = pool.backends
+    a.kind = b.kind = c.kind = "poise"
+    assert not any(pool.outranked(x, 10) for x in (a, b, c))
+    a.attempt_started(0)
+    assert all(pool.outranked(x, 10) for x in (a, b, c))
+    assert not any(pool.outranked(x, 0) for x in (a, b, c))
+    assert not pool.outranked(b, None)
+    c.kind = "vllm"
+    assert not pool.outranked(c, 10)
+    a.attempt_ended(0)
+    assert not pool.outranked(b, 10)
+
+
+def test_an_outranked_stream_does_not_make_its_backend_look_slow():
+    """A batch request that waits seconds for its first token behind interactive ones is not
+    the backend's slowness: it times nothing, as a large request, and its open wait counts no
+    longer than the backend has gone without giving any stream a token."""
+    clock = Clock()
+    pool = Pool("m", settings(2), clock, random.Random(0))
+    a, b = pool.backends
+    _answered(pool, clock, a, 0.05, 0.04)
+    _answered(pool, clock, b, 0.05, 0.04)
+    batch = pool.latency.stream(a.url, outranked=True)
+    interactive = pool.latency.stream(a.url)
+    for _ in range(40):  # 4 s: the interactive stream gets a token each 0.1 s, batch none
+        clock.now += 0.1
+        interactive.tokens(1)
+    batch.tokens(1)  # its first token after 4 s
+    clock.now += 3.0
+    batch.tokens(1)  # and a gap of 3 s
+    interactive.close()
+    assert pool.latency.ttft(a.url) < 0.2 and pool.latency.tpot(a.url) < 0.2
+    # Its open gap counts only while nothing else comes from the backend: a hung one is seen.
+    clock.now += 2.0
+    assert pool.latency.tpot(a.url) == pytest.approx(2.0)
+    batch.close()
+    # Not outranked, the same wait makes the backend look slow.
+    slow = pool.latency.stream(b.url)
+    clock.now += 4.0
+    slow.tokens(1)
+    slow.close()
+    assert pool.latency.ttft(b.url) == pytest.approx(4.0)

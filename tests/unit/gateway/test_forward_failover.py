@@ -657,3 +657,58 @@ async def test_each_attempt_tells_the_backend_what_is_left_of_the_first_token_ob
     first, second = (int(h["x-slo-ttft-ms"]) for h in seen)
     assert 700 <= first <= 800 and second <= first - 250
     assert not any(FIRST_TOKEN_BY in {k.lower() for k in h} for h in seen)  # never sent on
+
+
+async def test_routing_weighs_the_priority_sent_and_every_attempt_gives_its_count_back(backends):
+    """What routing weighs for a priority (``Pool.load_score``, ``Pool.outranked``) comes from
+    the ``x-priority`` the gateway sends; a refused attempt and a cancelled one give their
+    count back."""
+    hang = Hang()
+    refusals: list[str | None] = []
+
+    async def counted_refusal(request: web.Request) -> web.Response:
+        refusals.append(request.headers.get("x-priority"))
+        return await refuse(request)
+
+    pool, fwd = await backends(hang.handler, counted_refusal)
+    stuck, refusing = pool.backends
+    stuck.kind = refusing.kind = "poise"
+
+    def sent(priority: str) -> asyncio.Task[Any]:
+        headers = {"content-type": "application/json", "x-priority": priority}
+        body = b'{"model": "m", "prompt": "x", "stream": true}'
+        due = time.monotonic() + 30
+        return asyncio.create_task(
+            fwd.send(pool, "/v1/completions", body, headers, due, True, None, Attempt())
+        )
+
+    refusing.healthy = False
+    batch = [sent("10") for _ in range(3)]
+    while stuck.inflight < 3:
+        await asyncio.sleep(0.01)
+    refusing.healthy = True
+    refusing.attempt_started(0)  # an interactive request of another client's, say, is there
+    # Three batch attempts on one, an interactive one on the other: an interactive request
+    # goes where the batch ones are (each counts for a tenth for it); a batch one goes to the
+    # other.
+    hang.arrived.clear()
+    interactive = sent("0")
+    await asyncio.wait_for(hang.arrived.wait(), 5)
+    assert stuck.inflight_by_priority == {10: 3, 0: 1} and refusals == []
+    timers = set(pool.latency._series[stuck.url].streams)
+    assert len(timers) == 4 and not any(t.untimed for t in timers)  # none was outranked yet
+    # Another batch request goes to the idle one, is refused there (its count comes back) and
+    # moves to the busier one; started while the interactive one is served, it times nothing.
+    late = sent("10")
+    while stuck.inflight < 5:
+        await asyncio.sleep(0.01)
+    assert refusals == ["10"] and refusing.inflight_by_priority == {0: 1}
+    assert stuck.inflight_by_priority == {10: 4, 0: 1}
+    (newest,) = set(pool.latency._series[stuck.url].streams) - timers
+    assert newest.untimed
+    for task in (*batch, interactive, late):
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    assert stuck.inflight == 0 and stuck.inflight_by_priority == {}
+    assert refusing.inflight == 1  # the other client's, still there
