@@ -204,7 +204,12 @@ class StreamTimer:
     )  # fmt: skip
 
     def __init__(
-        self, tracker: LatencyTracker, url: str, started: float, size: int | None = None
+        self,
+        tracker: LatencyTracker,
+        url: str,
+        started: float,
+        size: int | None = None,
+        outranked: bool = False,
     ) -> None:
         self._tracker = tracker
         self.url = url
@@ -212,7 +217,7 @@ class StreamTimer:
         self.size = size  # the request's (its body's length); None: not known
         # Times nothing: a large request (``LatencyConfig.large_factor``), or an outranked one
         # (``LatencyTracker.stream``).
-        self.untimed = tracker.is_large(size)
+        self.untimed = outranked or tracker.is_large(size)
         self.last: float | None = None  # when tokens last came; None: none yet
         self.count = 0  # output tokens so far
         # Time spent waiting on the backend's reads, and the longest such wait. A relay blocked
@@ -344,8 +349,7 @@ class LatencyTracker:
         ``outranked``: a better priority was being served when it began (``Pool.outranked``);
         it times nothing either, as a large one: its wait for a first token and its gaps are
         what its rank costs, not the backend's speed."""
-        timer = StreamTimer(self, url, self.clock(), size)
-        timer.untimed = timer.untimed or outranked
+        timer = StreamTimer(self, url, self.clock(), size, outranked)
         s = self._series.get(url)
         if s is not None:
             s.streams.add(timer)
