@@ -140,8 +140,8 @@ class PoolGate:
         self._waiters[ident] = (priority, waiter)
         if self._pump is None:
             self._pump = asyncio.create_task(self._run_pump())
-        objective_first = first_token_by is not None and first_token_by < deadline
-        until = first_token_by if first_token_by is not None and objective_first else deadline
+        until = deadline if first_token_by is None else min(first_token_by, deadline)
+        objective_first = until < deadline
         try:
             async with asyncio.timeout(max(0.0, until - self.clock())):
                 await waiter

@@ -107,6 +107,12 @@ def objective_headers(client: Mapping[str, str], now: float) -> dict[str, str]:
     return out
 
 
+def first_token_due(objective: Mapping[str, str]) -> float | None:
+    """When the first token is due by the objective ``objective_headers`` made (None: none)."""
+    due = objective.get(FIRST_TOKEN_BY)
+    return None if due is None else float(due)
+
+
 @dataclass(slots=True)
 class Attempt:
     """A request's journey: which backends, how it ended; for metrics and the response."""

@@ -34,7 +34,7 @@ from fastapi.responses import Response
 from opentelemetry import trace
 
 from poise.asgi import CancelOnDisconnect, EventStreamResponse
-from poise.gateway.forward import FIRST_TOKEN_BY, Attempt, Call, objective_headers
+from poise.gateway.forward import Attempt, Call, first_token_due, objective_headers
 from poise.gateway.handling import (
     REQUEST_ID_HEADER,
     Charged,
@@ -129,8 +129,7 @@ async def _handle(
     gw.autoscaling.arrived(model)
     deadline = gw.deadline(request)
     objective = objective_headers(request.headers, gw.clock())
-    due = objective.get(FIRST_TOKEN_BY)
-    record.first_token_by = None if due is None else float(due)
+    record.first_token_by = first_token_due(objective)
     charged = await charge(gw, key, model, _estimate(raw, data))
     priority, held = held_priority(key, data)
     if held is not None:

@@ -30,7 +30,7 @@ from poise.gateway.continuation import (
     continued_body,
     with_stream_usage,
 )
-from poise.gateway.forward import FIRST_TOKEN_BY, Attempt, BodyFor, objective_headers
+from poise.gateway.forward import Attempt, BodyFor, first_token_due, objective_headers
 from poise.gateway.handling import (
     REQUEST_ID_HEADER,
     Gateway,
@@ -92,8 +92,7 @@ async def _handle(
     gw.autoscaling.arrived(model)
     deadline = gw.deadline(request)
     objective = objective_headers(request.headers, gw.clock())
-    due = objective.get(FIRST_TOKEN_BY)
-    record.first_token_by = None if due is None else float(due)
+    record.first_token_by = first_token_due(objective)
     text = prompt_text(data)
     estimate = estimate_tokens(data, text)
     charged = await charge(gw, key, model, estimate)

@@ -362,10 +362,10 @@ class AdmissionController:
         ]
         if not continuation and not any(t.large for t in tickets):
             self._last_typical_arrival = now
-        judged = objective is not None and not continuation
+        judged = None if continuation else objective  # the objective this arrival is held to
         if not self.config.enabled:
             # The client's own objective is still its to set: only the server's are off.
-            refusal = self._judge_objective(objective, wait, priority) if judged else None
+            refusal = None if judged is None else self._judge_objective(judged, wait, priority)
             if refusal is not None:
                 return refusal
             self._enqueue(tickets)
@@ -373,8 +373,8 @@ class AdmissionController:
         if not continuation:
             big = self._big(blocks, priority)
             refusal = self._judge_wait(tickets, wait, deadline, big, self._patient(objective))
-            if refusal is None and judged:
-                refusal = self._judge_objective(objective, wait, priority)
+            if refusal is None and judged is not None:
+                refusal = self._judge_objective(judged, wait, priority)
                 trend = self.trends.of(priority)
                 # A burst's members are not counted; while the queue fills, it is demand as
                 # any other.
@@ -458,9 +458,7 @@ class AdmissionController:
             return replace(self._refuse("overloaded", wait, wait - target), sheds_priority=whole)
         return None
 
-    def _judge_objective(
-        self, objective: Objective | None, wait: float, priority: int
-    ) -> Decision | None:
+    def _judge_objective(self, objective: Objective, wait: float, priority: int) -> Decision | None:
         """The refusal a request predicted to miss its own objective earns, if any: its first
         token later than asked (its wait, plus how far first tokens of its priority have lately
         come after their predicted starts: their own prefill and the steps they share), or a
@@ -469,7 +467,6 @@ class AdmissionController:
         the same request without its objective would have been taken, so its refusal says
         nothing of whether the queue fills (counted, two such refusals made the next request
         without one look like a flood's)."""
-        assert objective is not None
         refusal = None
         first_token = wait + self._error_quantile(priority, self.config.objective_quantile)
         left = None if objective.first_token_by is None else objective.first_token_by - self.clock()
