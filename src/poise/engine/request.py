@@ -142,6 +142,15 @@ class SamplingParams:
         return self.temperature < GREEDY_TEMPERATURE
 
 
+@dataclass(frozen=True, slots=True)
+class StreamPace:
+    """A request streaming its answer, as a step's time budget weighs a long step against it."""
+
+    streamed: int  # tokens it has streamed here, its first included
+    first_token_at: float  # when its first token here came, on the scheduler's clock
+    expected_more: int  # tokens it is known to stream after the one this step gives it
+
+
 @dataclass(slots=True)
 class Request:
     """One sequence being generated. ``all_token_ids`` is prompt followed by output."""
@@ -166,6 +175,10 @@ class Request:
     cache_salt: int | None = None
     error: str | None = None
     first_scheduled_time: float | None = None
+    # When this engine gave it its first token (the scheduler's clock), and how many outputs it
+    # had before that (a resumed stream's carried ones).
+    first_token_time: float | None = None
+    outputs_before_first: int = 0
     is_probe: bool = False  # a health check's one-token request: skips the running cap
     resume_text_chars: int = 0  # resumed: characters of the first outputs' text already sent
     # When the scheduler first let others start past it for lack of KV room (None: not now).

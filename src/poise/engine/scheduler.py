@@ -14,8 +14,9 @@ priority, still starts with its whole prompt (``SHORT_PROMPT_BLOCKS``) where it 
 blocks, and no seat but a prefilling long request's (below): a long prompt's chunks would
 otherwise hold every short one's first token for the steps they take (vLLM's
 ``max_long_partial_prefills`` answers the same problem). Only a prompt of typical size may
-spend what earlier steps banked of their time (``StepBudget``); a large request's chunks fit
-in the step's own time, since a step the bank lengthens delays every first token behind it.
+spend what the streaming requests lend a step past its time (``StepBudget.lend``: what their
+objective can spare); a large request's chunks fit in the step's own time, since a step the bank
+lengthens delays every first token behind it.
 
 Running requests are served first, best (priority, arrival) first. Preemption frees a running
 request's blocks and sends it back to the waiting queue to be recomputed later (its full blocks
@@ -66,7 +67,7 @@ from __future__ import annotations
 
 import bisect
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -84,7 +85,7 @@ from poise.engine.forecast import (
 from poise.engine.intake import check_fits
 from poise.engine.kv_cache import KVCacheManager
 from poise.engine.outputs import KVPicture
-from poise.engine.request import Request, RequestStatus, SamplingParams
+from poise.engine.request import Request, RequestStatus, SamplingParams, StreamPace
 
 # Waiting requests that may start past one that cannot get its blocks, per step.
 MAX_LOOK_PAST = 8
@@ -128,6 +129,7 @@ class SchedulerConfig:
 class StepTimeBudget(Protocol):
     """What a step's time allows (``poise.engine.step_budget.StepBudget``); None: no limit."""
 
+    def lend(self, streams: Sequence[StreamPace], now: float, slots: int) -> None: ...
     def prefill_room(self, decodes: int, share: float = 1.0, banked: bool = True) -> int | None: ...
     def decode_room(self, decodes: int, share: float, prefill_tokens: int = 0) -> int | None: ...
     def max_running(self) -> int | None: ...
@@ -274,6 +276,11 @@ class Scheduler:
     # ----- one step -----
     def schedule(self) -> SchedulerOutput:
         self._expire_deadlines()
+        if self.time_budget is not None:
+            # Lent against the pace of those about to run, not only of those streaming: the
+            # prompts being prefilled and those waiting, up to the cap, slow every step to come.
+            slots = min(self.max_running, len(self.running) + len(self.waiting))
+            self.time_budget.lend(self._streams(), self.clock(), slots)
         preempted: list[str] = []
         scheduled, budget, paused = self._schedule_running(preempted)
         if not scheduled and len(self.running) > len(paused):
@@ -290,6 +297,25 @@ class Scheduler:
             finished_request_ids=finished,
             leading_decodes=self._leading_decodes(scheduled),
         )
+
+    def _streams(self) -> list[StreamPace]:
+        """The decoding requests of the best priority, whose pace a long step must keep within
+        the target (``StepBudget.lend``). Worse priorities are not asked: they fill only what
+        the best leave of a step, and sit out the steps it needs."""
+        self.running.sort(key=lambda r: r.sort_key)  # _best_priority reads the first
+        best = self._best_priority()
+        return [
+            StreamPace(
+                len(r.output_token_ids) - r.outputs_before_first,
+                r.first_token_time,
+                _known_more(r),
+            )
+            for r in self.running
+            if r.priority == best
+            and r.first_token_time is not None
+            and r.num_uncomputed_tokens == 1
+            and not r.is_probe
+        ]
 
     def _leading_decodes(self, scheduled: list[ScheduledSequence]) -> int | None:
         """Decodes of the best priority among the users' requests in the step (a health probe
@@ -337,8 +363,8 @@ class Scheduler:
         return now + left > request.deadline
 
     def _prefill_room(self, decodes: int, banked: bool = True) -> int | None:
-        """Prompt tokens a step with ``decodes`` decode tokens may add (spending what earlier
-        steps banked, if ``banked``); None: no time budget."""
+        """Prompt tokens a step with ``decodes`` decode tokens may add (spending what the
+        streams lend, if ``banked``); None: no time budget."""
         if self.time_budget is None:
             return None
         return self.time_budget.prefill_room(decodes, banked=banked)
@@ -351,7 +377,7 @@ class Scheduler:
         return room - sum(len(s.token_ids) for s in scheduled if not s.is_decode)
 
     def _spends_bank(self) -> Callable[[Request], bool]:
-        """Whether a request's prompt chunk may spend what earlier steps banked: not one of
+        """Whether a request's prompt chunk may spend what the streams lend: not one of
         more than twice the typical footprint. The bank lengthens the step it is spent in,
         and every request that arrives meanwhile waits that long for its first token; a short
         prompt repays that in its own first token, a long one (which no interactive user waits
@@ -464,7 +490,8 @@ class Scheduler:
         room = budget.decode_room(ahead, share, prompts)
         if room is None:
             return set(), None
-        lower_room = budget.prefill_room(ahead + min(room, len(lower)), share)
+        # Unbanked: what the best priority's streams lend is for its own prompts.
+        lower_room = budget.prefill_room(ahead + min(room, len(lower)), share, banked=False)
         lower_room = None if lower_room is None else max(0, lower_room - prompts)
         return {r.request_id for r in lower[room:]}, lower_room
 
@@ -965,6 +992,7 @@ class Scheduler:
         Returns the requests that received a token this step (finished ones included).
         """
         advanced: list[Request] = []
+        now = self.clock()
         for seq in output.sequences:
             request = self.requests.get(seq.request_id)
             if request is None or request.status is not RequestStatus.RUNNING:
@@ -975,11 +1003,24 @@ class Scheduler:
             if not seq.sample:
                 continue
             request.append_output_token(sampled[seq.request_id])
+            if request.first_token_time is None:
+                request.first_token_time = now
+                request.outputs_before_first = len(request.output_token_ids) - 1
             advanced.append(request)
             stop = request.check_stop_token()
             if stop is not None:
                 self._finish(request, stop)
         return advanced
+
+
+def _known_more(request: Request) -> int:
+    """Tokens ``request`` will stream after its next, where that is known: it runs to its
+    ``max_tokens``. An answer that may end at any token promises no time to come (the typical
+    length is a mean: lent against it, a two-token answer's mean time per token was five
+    targets)."""
+    if not request.runs_to_max_tokens:
+        return 0
+    return max(0, request.max_tokens - len(request.output_token_ids) - 1)
 
 
 def _smaller(floor: int | None, footprint: int) -> int:

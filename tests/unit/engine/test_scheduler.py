@@ -4,7 +4,7 @@ import pytest
 
 from poise.engine.errors import CANNOT_FINISH, RequestTooLargeError
 from poise.engine.kv_cache import KVCacheManager
-from poise.engine.request import Request, RequestStatus, SamplingParams
+from poise.engine.request import Request, RequestStatus, SamplingParams, StreamPace
 from poise.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from stepbudgets import FixedStepBudget
 
@@ -889,3 +889,34 @@ def test_what_started_in_the_step_is_counted_again_before_anyone_is_preempted():
     out = run_step(s)
     assert first.status is RequestStatus.RUNNING and second.status is RequestStatus.RUNNING
     assert out.preempted_request_ids == [] and batch.status is RequestStatus.RUNNING
+
+
+def test_the_time_budget_hears_of_the_best_prioritys_streams_as_they_stand_here():
+    """Each step the time budget is told of the decoding requests of the best priority: the
+    tokens each streamed on this engine (a resumed stream's carried ones set no pace here),
+    when its first came, and how many more it is known to stream (to its max_tokens where it
+    runs to them; none where it may end at any token); and how many are about to run. A batch
+    stream that runs ahead of them in the list is not asked."""
+    s, clock = make_scheduler(blocks=256, max_num_batched_tokens=256)
+    budget = FixedStepBudget(tokens=100, cap=8)
+    s.time_budget = budget
+    add(s, "batch", 4, max_tokens=40, priority=5)
+    run_step(s)  # the batch request streams from t=0
+    clock.now = 1.0
+    resumed = Request(
+        "resumed", list(range(200, 204)), SamplingParams(ignore_eos=True), 1.0, max_tokens=30
+    )
+    for t in (7, 8, 9):  # carried from the replica it streamed on before
+        resumed.append_output_token(t)
+    s.add_request(resumed)
+    s.add_request(Request("eos", list(range(300, 304)), SamplingParams(), 1.0, 30, frozenset({2})))
+    run_step(s)  # both prefilled: their first tokens here at t=1
+    for now, streamed in [(1.5, 1), (1.6, 2)]:
+        clock.now = now
+        run_step(s)
+        streams, told_at, slots = budget.lent[-1]
+        assert told_at == now and slots == 3
+        assert sorted(streams, key=lambda p: p.expected_more) == [
+            StreamPace(streamed, 1.0, 0),  # eos: it may end at any token
+            StreamPace(streamed, 1.0, 30 - 3 - streamed - 1),
+        ]
