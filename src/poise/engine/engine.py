@@ -63,7 +63,6 @@ class _Tracked:
     detok: IncrementalDetokenizer
     logprobs: list[dict[int, float]] | None
     emitted_tokens: int = 0
-    first_token_time: float | None = None
     stop_reason: str | int | None = None
 
 
@@ -290,9 +289,8 @@ class LLMEngine:
             else:
                 tokens = {rid: s.token_id for rid, s in result.sampled.items()}
                 advanced = self.scheduler.update_from_output(out, tokens)
-                now = self.clock()
                 for request in advanced:
-                    self._on_token(request, result.sampled[request.request_id].logprobs, now)
+                    self._on_token(request, result.sampled[request.request_id].logprobs)
                 self._end_guided(advanced, result)
                 self._recompute_crossed(advanced)
         else:
@@ -374,10 +372,8 @@ class LLMEngine:
             elif rid in result.guided_ended:
                 self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED)
 
-    def _on_token(self, request: Request, logprobs: dict[int, float] | None, now: float) -> None:
+    def _on_token(self, request: Request, logprobs: dict[int, float] | None) -> None:
         tracked = self._tracked[request.request_id]
-        if tracked.first_token_time is None:
-            tracked.first_token_time = now
         token = request.output_token_ids[-1]
         if tracked.logprobs is not None and logprobs is not None:
             tracked.logprobs.append(logprobs)
@@ -430,7 +426,7 @@ class LLMEngine:
             else None,
             arrival_time=request.arrival_time,
             first_scheduled_time=request.first_scheduled_time,
-            first_token_time=tracked.first_token_time,
+            first_token_time=request.first_token_time,
             finished_time=self.clock() if finished else None,
         )
 

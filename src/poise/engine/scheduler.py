@@ -276,6 +276,7 @@ class Scheduler:
     # ----- one step -----
     def schedule(self) -> SchedulerOutput:
         self._expire_deadlines()
+        self.running.sort(key=lambda r: r.sort_key)  # best first: _best_priority reads it
         if self.time_budget is not None:
             # Lent against the pace of those about to run, not only of those streaming: the
             # prompts being prefilled and those waiting, up to the cap, slow every step to come.
@@ -302,7 +303,6 @@ class Scheduler:
         """The decoding requests of the best priority, whose pace a long step must keep within
         the target (``StepBudget.lend``). Worse priorities are not asked: they fill only what
         the best leave of a step, and sit out the steps it needs."""
-        self.running.sort(key=lambda r: r.sort_key)  # _best_priority reads the first
         best = self._best_priority()
         return [
             StreamPace(
@@ -398,10 +398,9 @@ class Scheduler:
         self, preempted: list[str]
     ) -> tuple[list[ScheduledSequence], int, set[str]]:
         """The running requests' work this step, the token budget it leaves, and which sat the
-        step out for a better priority."""
+        step out for a better priority. Needs ``running`` sorted (``schedule``)."""
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledSequence] = []
-        self.running.sort(key=lambda r: r.sort_key)
         paused, lower_room = self._pause_lower_priorities()
         # With a time budget, decode tokens first: what they leave goes to prefill chunks.
         decodes = sum(

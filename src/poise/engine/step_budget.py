@@ -178,7 +178,8 @@ class StepBudget:
             self.bank_s = most if not streams else 0.0
             return
         slack = math.inf
-        spare = max(0.0, c.target_s - self._pace_s(fit, max(slots, len(streams))))
+        pace = self._step_s(fit, max(slots, len(streams)), c.min_tokens, 1.0)
+        spare = max(0.0, c.target_s - pace)
         for s in streams:
             own = (s.streamed - 1) * c.target_s - (now - s.first_token_at)
             to_come = spare * s.expected_more
@@ -187,11 +188,6 @@ class StepBudget:
             slack = min(slack, 0.0 if lost else own + c.future_share * to_come)
         owed = c.future_share * spare
         self.bank_s = max(-owed, min(most, slack))
-
-    def _pace_s(self, fit: tuple[float, float, float], decodes: int) -> float:
-        """A step of ``decodes`` decodes and a minimal prompt chunk, as fitted."""
-        a, b_d, b_p = fit
-        return a + b_d * decodes + b_p * self.config.min_tokens
 
     def line(self) -> tuple[float, float, float] | None:
         """(a, b_d, b_p): seconds per step, per decode token, per prompt token; None before
