@@ -470,19 +470,16 @@ def replay_verdicts(runs: list[RunReport]) -> list[ReplayVerdict]:
 
 
 def vllm_dtype(model: str, dtype: str) -> str:
-    """What to ask vLLM for: ``auto`` means what poise's own ``auto`` runs (``resolve_dtype``):
-    the checkpoint's ``dtype`` (or ``torch_dtype``), float32 where it names none or where it
-    names float16 (the CPU has no fast half precision). vLLM's own ``auto`` turns a float32
-    checkpoint into bfloat16 on the CPU, which a CPU without bf16 instructions (AVX2) runs many
-    times slower: measured, W2's time per token passed 1.5 s on w0."""
+    """What to ask vLLM for: ``auto`` means what poise's own ``auto`` runs for this checkpoint
+    (``resolve_dtype``). vLLM's own ``auto`` turns a float32 checkpoint into bfloat16 on the
+    CPU, which a CPU without bf16 instructions (AVX2) runs many times slower: measured, W2's
+    time per token passed 1.5 s on w0."""
     if dtype != "auto":
         return dtype
-    path = Path(model) / "config.json"
-    if not path.is_file():
-        raise SystemExit(f"--modes vllm with --dtype auto needs {path}: pass --dtype")
-    raw = json.loads(path.read_text())
-    own = raw.get("dtype") or raw.get("torch_dtype") or "float32"
-    return "float32" if own == "float16" else str(own)
+    from poise.engine.models.checkpoint import open_checkpoint
+    from poise.engine.models.loader import resolve_dtype
+
+    return str(resolve_dtype(dtype, open_checkpoint(model).config)).removeprefix("torch.")
 
 
 def main() -> int:
